@@ -1,0 +1,103 @@
+import inspect
+import io
+import tokenize
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from vtoken.policies import ATTN_HIST, ATTN_SUM, POLICIES, PolicyInput, make_policy, policy_params
+
+
+def inp(n, step=1, live=None, seed=0, protected=None):
+    live = np.arange(n) if live is None else np.asarray(live)
+    rng = np.random.default_rng(seed)
+    stats = {ATTN_SUM: rng.random(live.size), ATTN_HIST: rng.integers(0, 2**40, live.size)}
+    return PolicyInput(n, step, live, stats, protected, request_seed=7)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(n=st.integers(1, 400), budget=st.sampled_from([0.125, 0.25, 0.5, 3, 50]), sink=st.integers(0, 8),
+       recent=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_every_policy_obeys_the_shared_mechanics(name, n, budget, sink, recent, seed):
+    policy = make_policy(name, budget=budget, sink=sink, recent=recent)
+    rng = np.random.default_rng(seed)
+    protected = rng.random(n) < 0.1
+    x = inp(n, seed=seed, protected=protected)
+    kill = policy.select(x)
+    assert np.unique(kill).size == kill.size and np.isin(kill, x.live).all()
+    assert not ((kill < sink) | (kill >= n - recent) | protected[kill]).any(), "killed a protected token"
+    candidates = int((~((x.live < sink) | (x.live >= n - recent) | protected)).sum())
+    assert kill.size == min(max(n - policy.target(n), 0), candidates)
+    assert np.array_equal(kill, policy.select(x)), "decisions must be deterministic"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_interval(name):
+    policy = make_policy(name, budget=0.5, interval=4, sink=0, recent=0)
+    assert policy.select(inp(100, step=3)).size == 0
+    assert policy.select(inp(100, step=4)).size == 50
+
+
+def test_h2o_keeps_heavy_hitters():
+    x = inp(10)
+    kill = make_policy("h2o", budget=5, sink=0, recent=0).select(x)
+    assert set(kill) == set(np.argsort(x.stats[ATTN_SUM])[:5])
+
+
+def test_scissorhands_counts_persistence_in_its_window():
+    hist = np.array([0b1111, 0b0001, 0b1110000, 0b0111, 0b1 << 40], dtype=np.int64)
+    x = PolicyInput(5, 1, np.arange(5), {ATTN_HIST: hist})
+    assert make_policy("scissorhands", budget=2, sink=0, recent=0, history=4).select(x).tolist() == [1, 2, 4]
+    # with a 64-step window the old hit of token 4 counts, and token 2's three hits beat token 1's one
+    assert make_policy("scissorhands", budget=3, sink=0, recent=0, history=64).select(x).tolist() == [1, 4]
+
+
+def test_random_is_reproducible_and_varies_with_step_and_seed():
+    p = make_policy("random", budget=0.5, sink=0, recent=0, seed=1)
+    a, b = p.select(inp(64, step=1)), p.select(inp(64, step=2))
+    assert not np.array_equal(a, b)
+    assert not np.array_equal(a, make_policy("random", budget=0.5, sink=0, recent=0, seed=2).select(inp(64)))
+
+
+def test_streaming_keeps_sinks_and_newest():
+    kill = make_policy("streaming", budget=8, sink=4, recent=2).select(inp(20))
+    assert kill.tolist() == list(range(4, 16))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"budget": 0}, "budget"), ({"budget": 2.5}, "whole"),
+                                          ({"interval": 0}, "interval"), ({"sink": -1}, "sink"),
+                                          ({"bogus": 1}, "no parameter")])
+def test_bad_parameters_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy("h2o", **kwargs)
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="known: h2o, random, scissorhands, streaming"):
+        make_policy("lru")
+
+
+def code_lines(cls) -> int:
+    """Lines of code of a policy's module, without docstrings, comments and blank lines."""
+    src = inspect.getsource(inspect.getmodule(cls))
+    lines = set()
+    prev = tokenize.INDENT
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.STRING and prev in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT):
+            prev = tok.type
+            continue  # a docstring
+        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                            tokenize.DEDENT, tokenize.ENDMARKER):
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+        prev = tok.type if tok.type not in (tokenize.NL, tokenize.COMMENT) else prev
+    return len(lines)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_policy_needs_fewer_than_30_lines(name):
+    assert code_lines(POLICIES[name]) < 30
+
+
+def test_policy_params_lists_defaults():
+    assert policy_params("scissorhands")["history"] == 32

@@ -1,0 +1,87 @@
+"""EvictionPolicy: the shared mechanics of every token-eviction policy.
+
+A policy only DECIDES which logical tokens die; it never touches memory (the TokenTable, the compaction
+planner and the mover do). Subclasses implement one method, ``score``: higher means keep. The base class
+does the rest: when to evict (every ``interval`` decode steps), how many tokens to keep (``budget``, an
+absolute count or a ratio of the context), which tokens are never candidates (the first ``sink`` tokens,
+the last ``recent`` tokens, and tokens the engine marks protected, e.g. in shared prefix blocks), and the
+top-k selection. Decisions are a pure function of the PolicyInput, so every tensor-parallel rank, and
+the naive and vtoken modes, reach the same decision from the same input.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+
+# Names of the per-token statistics an engine can provide (aligned with PolicyInput.live).
+ATTN_SUM = "attn_sum"    # float: attention weight the token received, summed over heads, layers, steps
+ATTN_HIST = "attn_hist"  # int64 bit register: bit j set if, j decode steps ago, the token's attention
+                         # exceeded the uniform share 1 / num_live (bit 0 = the latest step)
+
+
+class PolicyInput(NamedTuple):
+    """What a policy sees for one request at one decode step. Arrays are aligned with ``live``."""
+
+    num_logical: int                  # tokens so far (prompt + output), the "context"
+    step: int                         # decode steps done so far (1 after the first decode step)
+    live: np.ndarray                  # int64 logical positions of live tokens, ascending
+    stats: dict[str, np.ndarray] = {}  # statistics named in the policy's ``needs``
+    protected: np.ndarray | None = None  # bool: token may not be evicted (shared block, ...)
+    request_seed: int = 0             # stable per-request number, for randomised policies
+
+
+@dataclass(frozen=True)
+class EvictionPolicy(ABC):
+    """Base class. ``budget`` < 1 is a ratio of the context; >= 1 an absolute number of tokens."""
+
+    budget: float = 0.5
+    interval: int = 1
+    sink: int = 4
+    recent: int = 16
+    seed: int = 0
+    needs: ClassVar[tuple[str, ...]] = ()  # statistics the engine must collect for this policy
+    name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if not (self.budget > 0):
+            raise ValueError(f"{self.name}: budget must be > 0 (a ratio < 1 or a token count), got {self.budget}")
+        if self.budget >= 1 and float(self.budget) != int(self.budget):
+            raise ValueError(f"{self.name}: a budget >= 1 is a token count and must be whole, got {self.budget}")
+        for attr in ("interval",):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"{self.name}: {attr} must be >= 1, got {getattr(self, attr)}")
+        for attr in ("sink", "recent"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"{self.name}: {attr} must be >= 0, got {getattr(self, attr)}")
+
+    def target(self, num_logical: int) -> int:
+        """Live tokens to keep for a context of ``num_logical`` tokens."""
+        if self.budget < 1:
+            return max(1, int(np.ceil(self.budget * num_logical)))
+        return int(self.budget)
+
+    @abstractmethod
+    def score(self, inp: PolicyInput) -> np.ndarray:
+        """One float per live token (aligned with ``inp.live``): higher means more worth keeping."""
+
+    def select(self, inp: PolicyInput) -> np.ndarray:
+        """Logical positions to evict now (int64, ascending); empty when nothing needs to go."""
+        live = np.asarray(inp.live, dtype=np.int64)
+        excess = live.size - self.target(inp.num_logical)
+        if inp.step % self.interval or excess <= 0:
+            return np.empty(0, dtype=np.int64)
+        keep = (live < self.sink) | (live >= inp.num_logical - self.recent)
+        if inp.protected is not None:
+            keep |= np.asarray(inp.protected, dtype=bool)
+        candidates = np.flatnonzero(~keep)
+        k = min(excess, candidates.size)
+        if k == 0:
+            return np.empty(0, dtype=np.int64)
+        scores = np.asarray(self.score(inp), dtype=np.float64)[candidates]
+        # Stable sort: among equal scores the oldest token goes first, identically on every rank.
+        victims = candidates[np.argsort(scores, kind="stable")[:k]]
+        return np.sort(live[victims])
