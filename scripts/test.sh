@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up (venv, vLLM, models) and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/vtoken models prepare
+exec .venv/bin/python -m pytest -q -ra "$@"
