@@ -88,3 +88,15 @@ def test_naive_accounting_examples():
     assert naive_retained_blocks(np.array([1, 0, 0, 0, 0, 0, 0, 0, 0, 1], bool), 4) == 2  # block 0 + tail
     assert naive_retained_blocks(np.zeros(8, bool), 4) == 0
     assert naive_retained_blocks(np.array([], bool), 4) == 0
+
+
+def test_replay_of_a_request_life():
+    from vtoken.policies import make_policy
+    from vtoken.replay import replay
+
+    r = replay(make_policy("random", budget=0.25, sink=4, recent=16), prompt_len=1000, output_len=200, block_size=32)
+    assert r.live == max(4 + 16, int(np.ceil(0.25 * 1200)))
+    assert r.floor <= r.retained <= r.floor + 1 and r.retained < r.naive_retained
+    assert r.mean_retained < r.mean_naive_retained and r.moves > 0
+    with pytest.raises(ValueError, match="needs"):
+        replay(make_policy("h2o"), 10, 10, 32)

@@ -1,94 +1,131 @@
-"""`vtoken demo`: the main job. Serves a batch of real prompts on SmolLM2 through vLLM and shows what
-vToken holds against Naive-Evict for the same eviction decisions.
-
-Until the vLLM adapter lands, generation runs on stock vLLM and the eviction decisions are replayed
-through the core (TokenTable + policy + planner) with each request's real prompt and output lengths;
-the table says so. Attention-driven policies (h2o, scissorhands) need the adapter.
+"""`vtoken demo`: the main job. Serves a batch of real prompts on SmolLM2 through vLLM three times - stock
+(`off`), Naive-Evict (`naive`) and vToken (`vtoken`), same policy and budget - and prints, side by side,
+the KV blocks each held and what each produced.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import sys
 import time
 
-PROMPTS = [
+QUESTIONS = [
     "What is the capital of France? Answer in one sentence.",
     "Explain in three sentences why the sky is blue.",
-    "Write a short poem about memory and forgetting.",
-    "List five uses of a paperclip.",
-    "Summarise the plot of Romeo and Juliet in a paragraph.",
-    "How does a hash table work? Keep it brief.",
     "Give three tips for writing clear code.",
-    "What is the difference between weather and climate?",
 ]
+MODES = ("off", "naive", "vtoken")
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("demo", help="generate with SmolLM2 and print what vToken held against Naive-Evict")
-    p.add_argument("--model", default="smollm2-135m", help="a prepared model name (vtoken models list)")
-    p.add_argument("--policy", default="random", help="eviction policy (random, streaming; h2o and "
-                   "scissorhands need the vLLM adapter)")
-    p.add_argument("--budget", type=float, default=0.25, help="tokens kept: a ratio < 1 or a count")
+    p = sub.add_parser("demo", help="serve real prompts on SmolLM2 with off / naive / vtoken, side by side")
+    p.add_argument("--model", default="smollm2-135m", help="a prepared model (vtoken models list)")
+    p.add_argument("--policy", default="h2o", help="eviction policy: h2o, scissorhands, random, streaming")
+    p.add_argument("--budget", type=float, default=0.25, help="live tokens kept: ratio < 1 or a token count")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (vLLM on CPU: a multiple of 32)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
+    p.add_argument("--passages", type=int, default=3, help="summarisation prompts over real text (~700 tokens)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,naive,vtoken")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 
 
-def generate(model_dir: str, prompts: list[str], max_tokens: int, block_size: int):
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM, SamplingParams
+def build_prompts(n_passages: int) -> list[str]:
+    from vtoken.texts import passages
 
-    llm = LLM(model=model_dir, dtype="bfloat16", block_size=block_size, max_model_len=2048,
-              enforce_eager=True, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    docs = passages(n_passages, 3000) if n_passages else []
+    return QUESTIONS + [f"Summarise the following text in two sentences.\n\n{d}" for d in docs]
+
+
+def serve(model_dir: str, mode: str, args, prompts: list[str]) -> dict:
+    from vllm import SamplingParams
+
+    from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats
+
+    cfg = VTokenConfig(mode=mode, policy=args.policy, budget=args.budget)
+    log(f"[{mode}] starting vLLM on {args.model} ...")
+    llm = make_llm(model_dir, cfg, dtype="bfloat16", block_size=args.block_size, max_model_len=4096,
+                   enforce_eager=True, seed=0, kv_cache_memory_bytes=1 << 30)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        t0 = time.perf_counter()
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        stats = vtoken_stats(llm) if mode != "off" else None
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    finished = {r["request_id"].rsplit("-", 1)[0]: r for r in (stats or {}).get("finished_requests", [])}
+    rows = []
+    for o in outs:
+        n_prompt, n_out = len(o.prompt_token_ids), len(o.outputs[0].token_ids)
+        if mode == "off":  # stock vLLM holds every token: ceil(tokens / block_size) blocks
+            full = math.ceil((n_prompt + n_out - 1) / args.block_size)
+            mean = sum(math.ceil((n_prompt + k) / args.block_size) for k in range(n_out)) / max(n_out, 1)
+            rec = {"live_tokens": n_prompt + n_out - 1, "retained_blocks": full, "mean_retained_blocks": mean,
+                   "peak_retained_blocks": full, "tokens_moved": 0}
+        else:
+            rec = finished.get(o.request_id, {})
+        rows.append({"prompt_tokens": n_prompt, "output_tokens": n_out, "text": o.outputs[0].text, **rec})
+    log(f"[{mode}] {sum(r['output_tokens'] for r in rows)} tokens in {seconds:.1f} s")
+    return {"mode": mode, "seconds": seconds, "requests": rows,
+            "engine": {k: v for k, v in (stats or {}).items() if k not in ("requests", "finished_requests")}}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def run(args) -> int:
     from vtoken.models import ModelPrepareError, model_path
-    from vtoken.policies import make_policy
-    from vtoken.replay import replay
+    from vtoken.vllm_adapter import VTokenConfig
 
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
-        policy = make_policy(args.policy, budget=args.budget)
-        if policy.needs:
-            raise ValueError(f"policy {args.policy!r} needs attention scores from the engine; the demo "
-                             "replays decisions without them: use random or streaming")
-        model_dir = model_path(args.model)
+        VTokenConfig(mode="vtoken", policy=args.policy, budget=args.budget)
+        if not set(modes) <= set(MODES):
+            raise ValueError(f"--modes takes a subset of {','.join(MODES)}, got {args.modes!r}")
+        model_dir = str(model_path(args.model))
     except (ValueError, ModelPrepareError) as e:
         print(f"vtoken demo: {e}", file=sys.stderr)
         return 2
-    prompts = PROMPTS[: args.num_prompts]
-    t0 = time.perf_counter()
-    outputs = generate(str(model_dir), prompts, args.max_tokens, args.block_size)
-    gen_s = time.perf_counter() - t0
-    rows = []
-    for i, out in enumerate(outputs):
-        n_out = len(out.outputs[0].token_ids)
-        r = replay(policy, len(out.prompt_token_ids), n_out, args.block_size, request_id=str(i))
-        rows.append({"prompt": prompts[i], "output": out.outputs[0].text, "prompt_tokens": len(out.prompt_token_ids),
-                     "output_tokens": n_out, **r._asdict()})
+    prompts = build_prompts(args.passages)
+    results = {m: serve(model_dir, m, args, prompts) for m in modes}
     report = {"model": args.model, "policy": args.policy, "budget": args.budget, "block_size": args.block_size,
-              "mode": "stock vLLM generation + core replay of the eviction decisions",
-              "generation_seconds": round(gen_s, 2), "requests": rows}
+              "max_tokens": args.max_tokens, "prompts": prompts, "modes": results}
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
-    print(f"model {args.model}, policy {args.policy}, budget {args.budget}, block size {args.block_size}; "
-          f"{report['mode']}; generated in {gen_s:.1f} s\n")
-    hdr = f"{'req':>3} {'prompt':>6} {'output':>6} {'live':>5} {'naive blk':>9} {'vtoken blk':>10} {'floor':>5} {'moves':>6}"
-    print(hdr)
-    for i, r in enumerate(rows):
-        print(f"{i:>3} {r['prompt_tokens']:>6} {r['output_tokens']:>6} {r['live']:>5} {r['naive_retained']:>9} "
-              f"{r['retained']:>10} {r['floor']:>5} {r['moves']:>6}")
-    naive = sum(r["mean_naive_retained"] for r in rows)
-    vt = sum(r["mean_retained"] for r in rows)
-    print(f"\ntime-averaged blocks held: naive {naive:.1f}, vtoken {vt:.1f} "
-          f"({100 * (1 - vt / naive):.1f}% fewer)" if naive else "")
-    for i, r in enumerate(rows[:3]):
-        print(f"\n[{i}] {r['prompt']}\n    -> {r['output'].strip()[:300]}")
+    else:
+        print_report(report)
     return 0
+
+
+def print_report(report: dict) -> None:
+    modes = list(report["modes"])
+    print(f"\nSmolLM2 ({report['model']}), policy {report['policy']}, budget {report['budget']}, "
+          f"block size {report['block_size']}; blocks are time-averaged over each request's decode steps")
+    head = f"{'req':>3} {'prompt':>6} " + " ".join(f"{m + ' blk':>11}" for m in modes)
+    print(head)
+    n = len(report["prompts"])
+    for i in range(n):
+        cells = [f"{report['modes'][m]['requests'][i].get('mean_retained_blocks', float('nan')):>11.2f}" for m in modes]
+        print(f"{i:>3} {report['modes'][modes[0]]['requests'][i]['prompt_tokens']:>6} " + " ".join(cells))
+    totals = {m: sum(r.get("mean_retained_blocks", 0) for r in report["modes"][m]["requests"]) for m in modes}
+    print("sum " + " " * 7 + " ".join(f"{totals[m]:>11.2f}" for m in modes))
+    if "naive" in totals and "vtoken" in totals and totals["naive"]:
+        print(f"\nvtoken holds {100 * (1 - totals['vtoken'] / totals['naive']):.1f}% fewer blocks than naive "
+              f"for the same eviction decisions")
+    for m in modes:
+        r = report["modes"][m]
+        toks = sum(x["output_tokens"] for x in r["requests"])
+        print(f"{m:>7}: {r['seconds']:.1f} s for {toks} output tokens ({1000 * r['seconds'] / max(toks, 1):.1f} ms/token"
+              + (f"; compaction {1000 * r['engine'].get('compaction_seconds', 0):.0f} ms, "
+                 f"{r['engine'].get('tokens_moved', 0)} tokens moved)" if m != "off" else ")"))
+    if "naive" in modes and "vtoken" in modes:
+        same = all(a["text"] == b["text"] for a, b in
+                   zip(report["modes"]["naive"]["requests"], report["modes"]["vtoken"]["requests"]))
+        print(f"naive and vtoken outputs identical: {same}")
+    for i in range(n):
+        print(f"\n[{i}] {report['prompts'][i].splitlines()[0][:100]}")
+        for m in modes:
+            print(f"  {m:>7}: {report['modes'][m]['requests'][i]['text'].strip()[:200]!r}")

@@ -1,0 +1,150 @@
+"""vToken inside vLLM 0.32 on the tiny random Llama: identity, exactness against an independent reference,
+negative controls, the Naive-Evict pair, and KV pressure. Each engine run is cached for the session."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from reference import load, masked_logprobs  # noqa: E402
+from vllm_harness import prompts, run  # noqa: E402
+
+from vtoken.models import model_path  # noqa: E402
+from vtoken.vllm_adapter import VTokenConfig, engine_kwargs  # noqa: E402
+
+EVICT = {"budget": 0.5, "sink": 2, "recent": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(cfg_json: str, dtype: str = "float32", n: int = 3, max_tokens: int = 48, kv_bytes: int = 64 << 20,
+         max_model_len: int = 1024):
+    import tempfile
+    cfg = json.loads(cfg_json)
+    return run(str(model_path("tiny-llama")), cfg, prompts(n, lengths=(70, 130, 45, 100)), max_tokens=max_tokens,
+               dtype=dtype, trace_dir=tempfile.mkdtemp(), kv_bytes=kv_bytes, max_model_len=max_model_len)
+
+
+def engine(cfg: dict | None, **kw):
+    return _run(json.dumps(cfg, sort_keys=True), **kw)
+
+
+@functools.lru_cache(maxsize=1)
+def reference_model():
+    return load(str(model_path("tiny-llama")))
+
+
+def check_exact(r, tol=1e-4):
+    """Tokens equal the masked reference's greedy tokens; log-probabilities within tol."""
+    ref = reference_model()
+    worst = 0.0
+    for tokens, lps, tr in zip(r.tokens, r.logprobs, r.trace):
+        greedy, ref_lp = masked_logprobs(ref, tr["prompt_token_ids"], tr["output_token_ids"],
+                                         tr["evicted_positions"], tr["evicted_at_step"])
+        assert tr["output_token_ids"] == tokens
+        assert greedy.tolist() == tokens, "greedy tokens differ from the masked reference"
+        worst = max(worst, float(np.abs(ref_lp - lps).max()))
+    assert worst <= tol, f"log-probabilities differ from the masked reference by {worst:.2e}"
+    return worst
+
+
+# ------------------------------------------------------------------ configuration edge
+def test_off_is_stock_vllm():
+    kw = {"dtype": "float32", "block_size": 32}
+    assert engine_kwargs(VTokenConfig(mode="off"), **kw) == kw
+    assert engine_kwargs(None, **kw) == kw
+
+
+@pytest.mark.parametrize("key,value", [("speculative_config", {"method": "ngram"}), ("enable_prefix_caching", True),
+                                       ("async_scheduling", True), ("pipeline_parallel_size", 2)])
+def test_incompatible_features_are_refused(key, value):
+    with pytest.raises(ValueError, match=key):
+        engine_kwargs(VTokenConfig(mode="vtoken"), **{key: value})
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        VTokenConfig(policy="lru")
+    with pytest.raises(ValueError, match="whole"):
+        VTokenConfig(budget=2.5)
+    with pytest.raises(ValueError):
+        VTokenConfig(mode="sometimes")
+
+
+# ------------------------------------------------------------------ identity
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_relocating_every_token_is_bit_identical_to_stock(dtype):
+    """No evictions, but every request's KV is moved into fresh blocks every 3 steps."""
+    stock = engine(None, dtype=dtype)
+    moved = engine({"mode": "vtoken", "policy": "random", "budget": 100000, "relocate_every": 3}, dtype=dtype)
+    assert moved.stats["tokens_moved"] > 1000
+    assert moved.tokens == stock.tokens
+    for a, b in zip(moved.logprobs, stock.logprobs):
+        assert np.array_equal(a, b)
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("policy", ["random", "h2o", "scissorhands"])
+def test_outputs_equal_a_masked_reference(policy):
+    r = engine({"mode": "vtoken", "policy": policy, **EVICT})
+    assert all(len(t["evicted_positions"]) > 20 for t in r.trace)
+    check_exact(r)
+    changed = [np.mean(np.array(a) != np.array(b)) for a, b in zip(r.tokens, engine(None).tokens)]
+    assert min(changed) > 0.2, f"eviction should visibly change the tiny model's output, changed {changed}"
+
+
+def test_attention_policies_decide_differently_from_random():
+    evicted = {p: [t["evicted_positions"] for t in engine({"mode": "vtoken", "policy": p, **EVICT}).trace]
+               for p in ("random", "h2o", "scissorhands")}
+    assert evicted["h2o"] != evicted["random"] and evicted["scissorhands"] != evicted["random"]
+
+
+@pytest.mark.parametrize("fault", ["skip_moves", "physical_rope"])
+def test_negative_controls_break_exactness(fault):
+    r = engine({"mode": "vtoken", "policy": "random", "fault": fault, **EVICT})
+    with pytest.raises(AssertionError):
+        check_exact(r)
+
+
+# ------------------------------------------------------------------ Naive-Evict pair
+def test_naive_and_vtoken_make_the_same_decisions_and_outputs():
+    vt = engine({"mode": "vtoken", "policy": "h2o", **EVICT})
+    nv = engine({"mode": "naive", "policy": "h2o", **EVICT})
+    assert vt.tokens == nv.tokens
+    assert [t["evicted_positions"] for t in vt.trace] == [t["evicted_positions"] for t in nv.trace]
+    for a, b in zip(vt.logprobs, nv.logprobs):
+        assert np.array_equal(a, b)
+
+
+def test_vtoken_retains_the_floor_and_naive_never_fewer():
+    vt = engine({"mode": "vtoken", "policy": "h2o", **EVICT}).stats["finished_requests"]
+    nv = engine({"mode": "naive", "policy": "h2o", **EVICT}).stats["finished_requests"]
+    assert len(vt) == len(nv) == 3
+    for a, b in zip(sorted(vt, key=lambda r: r["logical_tokens"]), sorted(nv, key=lambda r: r["logical_tokens"])):
+        floor = math.ceil(a["live_tokens"] / 32)
+        assert floor <= a["retained_blocks"] <= floor + 1  # + the block being filled
+        assert b["retained_blocks"] >= a["retained_blocks"]
+        assert b["mean_retained_blocks"] > a["mean_retained_blocks"]
+        assert b["retained_blocks"] >= b["naive_retained_blocks"] - 1
+
+
+# ------------------------------------------------------------------ pressure
+PRESSURE = dict(n=8, max_tokens=150, kv_bytes=24 * 65536, max_model_len=512)
+
+
+def test_under_kv_pressure_vtoken_preempts_least_and_everything_is_freed():
+    cfg = {"policy": "h2o", "budget": 64, "sink": 2, "recent": 8}
+    runs = {"off": engine(None, **PRESSURE), "naive": engine({"mode": "naive", **cfg}, **PRESSURE),
+            "vtoken": engine({"mode": "vtoken", **cfg}, **PRESSURE)}
+    pre = {m: r.metrics["vllm:num_preemptions"] for m, r in runs.items()}
+    assert pre["vtoken"] < pre["naive"] and pre["vtoken"] < pre["off"], pre
+    for mode in ("naive", "vtoken"):
+        assert runs[mode].stats["free_blocks"] == runs[mode].stats["total_blocks"]
+    assert runs["off"].metrics["vllm:kv_cache_usage_perc"] == 0
+    assert all(len(t) == 150 for r in runs.values() for t in r.tokens)

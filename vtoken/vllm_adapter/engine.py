@@ -1,0 +1,78 @@
+"""One documented way to get a vLLM engine with vToken: engine arguments, LLM, AsyncLLM, statistics.
+
+    from vtoken.vllm_adapter import VTokenConfig, make_llm
+    llm = make_llm("path/to/model", VTokenConfig(mode="vtoken", policy="h2o", budget=0.25), block_size=32)
+    llm.generate(...); print(vtoken_stats(llm))
+
+``mode="off"`` returns the caller's arguments untouched: stock vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
+
+SCHEDULER = "vtoken.vllm_adapter.scheduler.VTokenScheduler"
+WORKERS = {"cpu": "vtoken.vllm_adapter.worker.VTokenCPUWorker", "cuda": "vtoken.vllm_adapter.worker.VTokenGPUWorker"}
+
+# Features whose semantics clash with token eviction: refused at start-up rather than silently wrong.
+REFUSED = {
+    "speculative_config": (lambda v: v is not None,
+                           "speculative decoding verifies draft tokens against KV that eviction rewrites"),
+    "enable_prefix_caching": (lambda v: bool(v), "prefix caching with token eviction is not supported yet "
+                              "(a block that lost tokens must never be a prefix hit); leave it off"),
+    "async_scheduling": (lambda v: bool(v),
+                         "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps"),
+    "pipeline_parallel_size": (lambda v: (v or 1) > 1, "pipeline parallelism is not supported with vToken"),
+}
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda() else "cpu"
+
+
+def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> dict[str, Any]:
+    """vLLM engine arguments (for ``LLM(**kw)`` or ``AsyncEngineArgs(**kw)``) with vToken switched in."""
+    cfg = vtoken if isinstance(vtoken, VTokenConfig) else VTokenConfig(**(vtoken or {"mode": "off"}))
+    if not cfg.enabled:
+        return dict(kwargs)
+    for key, (bad, why) in REFUSED.items():
+        value = kwargs.get(key)
+        if bad(value):
+            raise ValueError(f"vToken mode {cfg.mode!r} cannot run with {key}={value!r}: {why}")
+    extra = dict(kwargs.pop("additional_config", None) or {})
+    extra[CONFIG_KEY] = cfg.model_dump()
+    # V1 model runner: the overrides mirror its _prepare_inputs/_update_states (the V2 runner differs).
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
+    return {**kwargs, "scheduler_cls": SCHEDULER, "worker_cls": WORKERS[_platform()],
+            "additional_config": extra, "enable_prefix_caching": False, "async_scheduling": False}
+
+
+def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):
+    """The offline ``vllm.LLM`` with vToken."""
+    from vllm import LLM
+
+    return LLM(model=model, **engine_kwargs(vtoken, **kwargs))
+
+
+def make_async_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):
+    """``vllm.v1.engine.async_llm.AsyncLLM`` (what servers use) with vToken."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine_kwargs(vtoken, **kwargs)))
+
+
+def vtoken_stats(llm) -> dict[str, Any]:
+    """Per-request and per-engine vToken statistics of an ``LLM`` (see stats.py for definitions)."""
+    return llm.llm_engine.engine_core.call_utility("vtoken_stats") if hasattr(
+        llm.llm_engine.engine_core, "call_utility") else llm.llm_engine.engine_core.engine_core.vtoken_stats()
+
+
+async def vtoken_stats_async(async_llm) -> dict[str, Any]:
+    return await async_llm.engine_core.call_utility_async("vtoken_stats")

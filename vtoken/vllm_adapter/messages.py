@@ -1,0 +1,37 @@
+"""The small picklable types that cross between vToken's scheduler and its workers each step.
+
+They ride on vLLM's own per-step objects as an extra attribute (``SchedulerOutput.vtoken``,
+``ModelRunnerOutput.vtoken``), which survive vLLM's pickling between the EngineCore and worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vtoken.mover import MoveBatch
+
+
+@dataclass
+class VTokenStep:
+    """Scheduler -> worker, once per step, applied before that step's forward."""
+
+    moves: MoveBatch                                        # global slots, all requests, one batch
+    keep_blocks: dict[str, int] = field(default_factory=dict)  # req -> blocks it keeps (tail was freed)
+    gaps: dict[str, int] = field(default_factory=dict)      # req -> logical - physical length (changes only)
+    want_scores: frozenset[str] = frozenset()               # reqs whose attention stats the next step needs
+    replace_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> its whole new block list
+
+
+@dataclass
+class VTokenWorkerOutput:
+    """Worker -> scheduler, after the forward: attention statistics per physical slot of each request."""
+
+    stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # req -> name -> [physical_len]
+    move_seconds: float = 0.0
+    bytes_moved: int = 0
+
+
+def empty_step() -> VTokenStep:
+    return VTokenStep(MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))

@@ -1,0 +1,153 @@
+"""Worker side of vToken: a mixin over vLLM's V1 GPUModelRunner (and its CPUModelRunner subclass).
+
+Per step, before vLLM's own code runs: apply the scheduler's moves (one gather-then-scatter over every
+layer, plus the attention statistics), truncate the block lists of compacted requests, and record each
+request's gap (logical - physical length). Then, in ``_prepare_inputs``, positions stay LOGICAL (RoPE),
+while slot mapping and ``seq_lens`` become PHYSICAL (position - gap): attention reads exactly the packed
+slots, in which no dead token remains.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vtoken.mover import make_mover
+from vtoken.vllm_adapter import scores as scores_mod
+from vtoken.vllm_adapter.config import VTokenConfig
+from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
+
+
+class VTokenRunnerMixin:
+    """Overrides for vllm/v1/worker/gpu_model_runner.py GPUModelRunner (V1). Put it before the runner."""
+
+    def _vt_setup(self) -> None:
+        self.vt = VTokenConfig.from_vllm(self.vllm_config)
+        self.vt_policy = self.vt.make_policy()
+        self.vt_gaps: dict[str, int] = {}
+        self.vt_want: frozenset[str] = frozenset()
+        self.vt_mover = None
+        self.vt_scorer: scores_mod.AttentionScorer | None = None
+        self.vt_move_seconds = 0.0
+        self.vt_bytes_moved = 0
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        """Mirror of GPUModelRunner.initialize_kv_cache: then build the mover and the scorer."""
+        out = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        bs = spec.block_size
+        layout = "cpu" if self.device.type == "cpu" else "flash"
+        self.vt_mover = make_mover(self.device, bs, layout)
+        if self.vt_policy.needs:
+            num_slots = int(self.kv_caches[0].shape[0]) * bs
+            self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device)
+            scores_mod.install(self.compilation_config.static_forward_context, self.vt_scorer)
+        return out
+
+    # ---------------------------------------------------------------- before vLLM's step
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        """Mirror of GPUModelRunner.execute_model: apply the step's vToken data first."""
+        step: VTokenStep | None = getattr(scheduler_output, "vtoken", None)
+        if step is not None:
+            self._vt_apply(step, scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def _vt_apply(self, step: VTokenStep, so) -> None:
+        if len(step.moves) and self.vt.fault != "skip_moves":
+            t0 = time.perf_counter()
+            extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
+            before = self.vt_mover.bytes_moved
+            self.vt_mover.apply(self.kv_caches, step.moves, extra)
+            if hasattr(self.vt_mover, "wait"):
+                self.vt_mover.wait()  # CUDA: the forward's stream waits on the side stream's event
+            self.vt_bytes_moved += self.vt_mover.bytes_moved - before
+            self.vt_move_seconds += time.perf_counter() - t0
+        for rid, keep in step.keep_blocks.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            for ids in state.block_ids:
+                del ids[keep:]
+            row = self.input_batch.req_id_to_index.get(rid)
+            if row is not None:
+                self.input_batch.block_table.add_row(state.block_ids, row)
+        for rid, blocks in step.replace_blocks.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            state.block_ids[0][:] = blocks
+            row = self.input_batch.req_id_to_index.get(rid)
+            if row is not None:
+                self.input_batch.block_table.add_row(state.block_ids, row)
+        self.vt_gaps.update(step.gaps)
+        for rid in so.finished_req_ids:
+            self.vt_gaps.pop(rid, None)
+        for rid in so.scheduled_cached_reqs.resumed_req_ids:
+            self.vt_gaps.pop(rid, None)  # resumed after preemption: recomputed from scratch, no gap
+        self.vt_want = step.want_scores
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        """Mirror of GPUModelRunner._prepare_inputs, then split positions (logical, for RoPE) from slots
+        and seq_lens (physical)."""
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        num_reqs = self.input_batch.num_reqs
+        total = scheduler_output.total_num_scheduled_tokens
+        if self.vt_gaps:
+            gaps = np.array([self.vt_gaps.get(r, 0) for r in self.input_batch.req_ids[:num_reqs]], np.int64)
+            if gaps.any():
+                g = torch.from_numpy(gaps)
+                req_idx = torch.from_numpy(self.req_indices.np[:total].astype(np.int64))
+                physical = self.positions[:total] - g[req_idx].to(self.positions.device)
+                self.seq_lens[:num_reqs] -= g.to(self.seq_lens.device, self.seq_lens.dtype)
+                self.optimistic_seq_lens_cpu[:num_reqs] -= g.to(self.optimistic_seq_lens_cpu.dtype)
+                self.input_batch.block_table.compute_slot_mapping(
+                    num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+                if self.vt.fault == "physical_rope":  # negative control: RoPE sees physical positions
+                    self.positions[:total] = physical
+        if self.vt_scorer is not None:
+            self.vt_scorer.reset_slots(self.input_batch.block_table[0].slot_mapping.gpu[:total].long())
+        return result
+
+    # ---------------------------------------------------------------- after the forward
+    def sample_tokens(self, *args, **kwargs):
+        """Mirror of GPUModelRunner.sample_tokens: attach the statistics the scheduler asked for."""
+        out = super().sample_tokens(*args, **kwargs)
+        vt = VTokenWorkerOutput(move_seconds=self.vt_move_seconds, bytes_moved=self.vt_bytes_moved)
+        self.vt_move_seconds, self.vt_bytes_moved = 0.0, 0
+        scorer = self.vt_scorer
+        if scorer is not None:
+            scorer.end_step()
+            if self.vt_want:
+                for row, seq_len in zip(scorer.rows, scorer.lens):
+                    rid = self.input_batch.req_ids[row]
+                    if rid in self.vt_want and rid in self.requests:
+                        vt.stats[rid] = scorer.export(self.requests[rid].block_ids[0], int(seq_len),
+                                                      self.vt_policy.needs)
+        target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
+        if target is not None:
+            target.vtoken = vt
+        return out
+
+
+def make_cpu_runner_cls():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._vt_setup()
+
+    return VTokenCPUModelRunner
+
+
+def make_gpu_runner_cls():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._vt_setup()
+
+    return VTokenGPUModelRunner

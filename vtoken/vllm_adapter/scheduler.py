@@ -1,0 +1,293 @@
+"""VTokenScheduler: vLLM's scheduler, plus a TokenTable per request, an eviction policy and compaction.
+
+Each step, BEFORE vLLM schedules (so freed blocks can be handed out in the same step):
+
+  1. sync every running decode request's TokenTable with ``request.num_computed_tokens``;
+  2. ask the policy which logical tokens die (with the attention statistics the worker sent back);
+  3. plan the compaction and shrink the request's block list; the freed blocks go straight back to
+     vLLM's BlockPool, so ``kv_cache_usage`` and admission see them (naive mode keeps some as ballast);
+  4. attach one ``VTokenStep`` (all moves of all requests, block truncations, gap changes) to the
+     SchedulerOutput; the worker applies it before this step's forward.
+
+vLLM keeps counting LOGICAL tokens (``num_computed_tokens``), so RoPE positions and sampling are untouched;
+only the KV allocation is made physical, by subtracting each request's gap (logical - physical length) in
+the two coordinator calls that size a request's blocks.
+
+Everything here touches vLLM private internals of 0.32.0 only; each override names what it mirrors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vtoken.accounting import floor_blocks, naive_retained_blocks
+from vtoken.mover import MoveBatch
+from vtoken.planner import plan_compaction, to_global_slots
+from vtoken.policies import PolicyInput
+from vtoken.replay import request_seed
+from vtoken.token_table import TokenTable
+from vtoken.vllm_adapter.config import VTokenConfig
+from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
+from vtoken.vllm_adapter.stats import EngineTotals, RequestRecord
+
+
+class VTokenScheduler(Scheduler):
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.vt = VTokenConfig.from_vllm(vllm_config)
+        self.vt_policy = self.vt.make_policy()
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
+            raise ValueError("vToken supports models with one full-attention KV cache group; this model has "
+                             f"{[type(m).__name__ for m in managers]}")
+        self.vt_manager = managers[0]
+        self.vt_pool = self.kv_cache_manager.block_pool
+        self.vt_bs = self.vt_manager.block_size
+        self.vt_tables: dict[str, TokenTable] = {}
+        self.vt_records: dict[str, RequestRecord] = {}
+        self.vt_ballast: dict[str, list] = {}           # naive mode: blocks held as Naive-Evict would
+        self.vt_stats_in: dict[str, dict[str, np.ndarray]] = {}
+        self.vt_gap_sent: dict[str, int] = {}
+        self.vt_totals = EngineTotals()
+        self._wrap_coordinator()
+
+    # ---------------------------------------------------------------- allocation by physical length
+    def _gap(self, request_id: str) -> int:
+        t = self.vt_tables.get(request_id)
+        return 0 if t is None else t.num_logical - t.physical_len
+
+    def _wrap_coordinator(self) -> None:
+        """Mirror of vllm/v1/core/kv_cache_coordinator.py KVCacheCoordinator.get_num_blocks_to_allocate and
+        allocate_new_blocks: both size a request by its token count; we pass the physical count instead."""
+        coord = self.kv_cache_manager.coordinator
+        orig_count, orig_alloc = coord.get_num_blocks_to_allocate, coord.allocate_new_blocks
+
+        def get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs):
+            gap = self._gap(request_id)
+            if gap and "num_tokens_main_model" in kwargs:
+                kwargs["num_tokens_main_model"] -= gap
+            return orig_count(request_id, num_tokens - gap, *args, **kwargs)
+
+        def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+            gap = self._gap(request_id)
+            return orig_alloc(request_id, num_tokens - gap, num_tokens_main_model - gap, *args, **kwargs)
+
+        coord.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        coord.allocate_new_blocks = allocate_new_blocks
+
+    # ---------------------------------------------------------------- the step
+    def schedule(self, *args, **kwargs):
+        """Mirror of vllm/v1/core/sched/scheduler.py Scheduler.schedule: evict and compact first."""
+        t0 = time.perf_counter()
+        step = self._evict_and_compact()
+        self.vt_totals.compaction_seconds += time.perf_counter() - t0
+        out = super().schedule(*args, **kwargs)
+        out.vtoken = step
+        return out
+
+    def _evict_and_compact(self) -> VTokenStep:
+        moves, keep, gaps, want, relocate = [], {}, {}, set(), {}
+        policy = self.vt_policy
+        for request in self.running:
+            rid = request.request_id
+            table = self.vt_tables.get(rid)
+            if table is None:
+                table = self.vt_tables[rid] = TokenTable(self.vt_bs)
+                self.vt_records[rid] = RequestRecord(rid, request_seed(rid))
+            new = request.num_computed_tokens - table.num_logical
+            if new < 0:
+                raise RuntimeError(f"vtoken: request {rid} has {request.num_computed_tokens} computed tokens but "
+                                   f"its TokenTable holds {table.num_logical}: state diverged")
+            table.append(new)
+            decoding = request.num_computed_tokens >= request.num_prompt_tokens and request.num_output_tokens > 0
+            if not decoding:
+                continue
+            step = request.num_output_tokens
+            stats = self.vt_stats_in.pop(rid, None)
+            if (step + 1) % policy.interval == 0 and policy.needs:
+                want.add(rid)
+            if self.vt.relocate_every and step % self.vt.relocate_every == 0:
+                # alone in its step: compaction moves computed against the new blocks would otherwise be
+                # gathered before the relocation wrote them
+                moves.append(self._relocate(rid, table, relocate))
+                continue
+            if policy.needs and (stats is None or step % policy.interval):
+                continue
+            victims = self._select(table, step, stats, rid, policy)
+            if victims.size == 0:
+                continue
+            table.kill(victims)
+            self.vt_records[rid].record_deaths(victims, step)
+            batch, n_keep = self._compact(rid, table)
+            moves.append(batch)
+            keep[rid] = n_keep
+            gap = table.num_logical - table.physical_len
+            if self.vt_gap_sent.get(rid, 0) != gap:
+                gaps[rid] = self.vt_gap_sent[rid] = gap
+        if self.vt.mode == "naive":
+            self._settle_ballast()
+        self._observe()
+        batch = MoveBatch.concat(moves)
+        self.vt_totals.tokens_moved += len(batch)
+        return VTokenStep(batch, keep, gaps, frozenset(want), relocate)
+
+    def _select(self, table: TokenTable, step: int, stats, rid: str, policy) -> np.ndarray:
+        live = table.live_logical()
+        named = {}
+        if stats:
+            slots = table.slot_of[live]
+            named = {name: stats[name][slots] for name in policy.needs}
+        inp = PolicyInput(table.num_logical, step, live, named, self._protected(rid, table, live),
+                          self.vt_records[rid].seed)
+        return policy.select(inp)
+
+    def _protected(self, rid: str, table: TokenTable, live: np.ndarray) -> np.ndarray | None:
+        """Tokens in blocks shared with another request (ref_cnt > 1) are never evicted (the paper's rule)."""
+        blocks = self.vt_manager.req_to_blocks.get(rid, [])
+        shared = np.array([b.ref_cnt > 1 for b in blocks], dtype=bool)
+        if not shared.any():
+            return None
+        slots = table.slot_of[live]
+        return shared[np.minimum(slots // self.vt_bs, len(blocks) - 1)]
+
+    def _compact(self, rid: str, table: TokenTable) -> tuple[MoveBatch, int]:
+        blocks = self.vt_manager.req_to_blocks[rid]
+        ids = [b.block_id for b in blocks]
+        shared = np.array([b.ref_cnt > 1 for b in blocks], dtype=bool)
+        n_protected = int(np.argmin(shared)) if not shared.all() else len(blocks)
+        plan = plan_compaction(table.physical_live_mask(), ids, self.vt_bs, n_protected)
+        table.apply_moves(plan.src, plan.dst, plan.physical_len)
+        # Keep one block for the token about to be written if it is still in use; vLLM's allocate_slots
+        # adds any block the next token needs.
+        freed = blocks[plan.keep_blocks:]
+        del blocks[plan.keep_blocks:]
+        cached = self.vt_manager.num_cached_block
+        if rid in cached:
+            cached[rid] = min(cached[rid], plan.keep_blocks)
+        if freed:
+            if self.vt.mode == "naive":
+                self.vt_ballast.setdefault(rid, []).extend(freed)  # settled against Naive-Evict below
+            else:
+                self.vt_pool.free_blocks(reversed(freed))
+                self.vt_totals.blocks_freed += len(freed)
+        self.vt_records[rid].tokens_moved += plan.num_moves
+        batch = MoveBatch(to_global_slots(plan.src, ids, self.vt_bs), to_global_slots(plan.dst, ids, self.vt_bs))
+        return batch, plan.keep_blocks
+
+    def _relocate(self, rid: str, table: TokenTable, relocate: dict[str, list[int]]) -> MoveBatch:
+        """Testing knob: move every slot to the same slot of fresh blocks, free the old blocks."""
+        old = self.vt_manager.req_to_blocks[rid]
+        if len(old) > self.vt_pool.get_num_free_blocks():
+            return MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64))
+        new = self.vt_pool.get_new_blocks(len(old))
+        slots = np.arange(table.physical_len)
+        batch = MoveBatch(to_global_slots(slots, [b.block_id for b in old], self.vt_bs),
+                          to_global_slots(slots, [b.block_id for b in new], self.vt_bs))
+        self.vt_manager.req_to_blocks[rid] = new
+        self.vt_pool.free_blocks(reversed(old))
+        relocate[rid] = [b.block_id for b in new]
+        return batch
+
+    def _observe(self) -> None:
+        """Per decode step: what each request holds now, and what Naive-Evict would hold."""
+        for request in self.running:
+            rid = request.request_id
+            table = self.vt_tables.get(rid)
+            if table is None or request.num_output_tokens == 0:
+                continue
+            held = len(self.vt_manager.req_to_blocks.get(rid, [])) + len(self.vt_ballast.get(rid, []))
+            self.vt_records[rid].observe(held, naive_retained_blocks(table.live_mask(), self.vt_bs))
+
+    def _settle_ballast(self) -> None:
+        """Naive mode: hold exactly the blocks Naive-Evict would hold, beyond what the packed layout needs.
+
+        Naive-Evict keeps every block with a live token at its original slot, plus the block the next token
+        goes to. Extra ballast goes back to the pool; missing ballast is taken from it while it lasts.
+        """
+        for request in self.running:
+            rid = request.request_id
+            table = self.vt_tables.get(rid)
+            if table is None:
+                continue
+            live = np.append(table.live_mask(), True)  # the token this step writes
+            want = naive_retained_blocks(live, self.vt_bs) - floor_blocks(table.physical_len + 1, self.vt_bs)
+            held = self.vt_ballast.setdefault(rid, [])
+            if len(held) > want:
+                extra = held[max(want, 0):]
+                del held[max(want, 0):]
+                self.vt_pool.free_blocks(reversed(extra))
+            elif len(held) < want:
+                n = min(want - len(held), self.vt_pool.get_num_free_blocks())
+                if n:
+                    held.extend(self.vt_pool.get_new_blocks(n))
+
+    # ---------------------------------------------------------------- worker output, request end
+    def update_from_output(self, scheduler_output, model_runner_output):
+        """Mirror of Scheduler.update_from_output: also collect the worker's attention statistics."""
+        vt: VTokenWorkerOutput | None = getattr(model_runner_output, "vtoken", None)
+        if vt is not None:
+            self.vt_stats_in.update(vt.stats)
+            self.vt_totals.move_seconds += vt.move_seconds
+            self.vt_totals.bytes_moved += vt.bytes_moved
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _free_request_blocks(self, request) -> None:
+        """Mirror of Scheduler._free_request_blocks (finish and preemption): drop the request's table and
+        ballast too. Preemption recomputes every logical token, so the table starts over."""
+        rid = request.request_id
+        table = self.vt_tables.pop(rid, None)
+        if table is not None:
+            record = self.vt_records.pop(rid)
+            if request.is_finished():
+                self._finish_record(request, table, record)
+            else:
+                self.vt_totals.preemptions += 1
+        ballast = self.vt_ballast.pop(rid, None)
+        if ballast:
+            self.vt_pool.free_blocks(reversed(ballast))
+        self.vt_stats_in.pop(rid, None)
+        self.vt_gap_sent.pop(rid, None)
+        super()._free_request_blocks(request)
+
+    def _finish_record(self, request, table: TokenTable, record: RequestRecord) -> None:
+        record.finish(table, self.vt_manager.req_to_blocks.get(request.request_id, []),
+                      len(self.vt_ballast.get(request.request_id, [])))
+        self.vt_totals.add_finished(record)
+        if self.vt.trace_path:
+            line = {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids or []),
+                    "output_token_ids": list(request.output_token_ids), **record.trace()}
+            with open(self.vt.trace_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    # ---------------------------------------------------------------- observability
+    def vtoken_stats(self) -> dict[str, Any]:
+        """Per-request and per-engine figures (see vtoken/vllm_adapter/stats.py for the definitions)."""
+        reqs = {}
+        for rid, table in self.vt_tables.items():
+            n_blocks = len(self.vt_manager.req_to_blocks.get(rid, []))
+            reqs[rid] = self.vt_records[rid].snapshot(table, n_blocks, len(self.vt_ballast.get(rid, [])))
+        return {"mode": self.vt.mode, "policy": self.vt.policy, "block_size": self.vt_bs,
+                "free_blocks": self.vt_pool.get_num_free_blocks(), "total_blocks": self.vt_pool.num_gpu_blocks - 1,
+                "kv_cache_usage": self.vt_pool.get_usage(), "running": len(self.running),
+                "waiting": len(self.waiting), "requests": reqs, **self.vt_totals.summary(reqs, self.vt_bs)}
+
+
+def _install_engine_core_utility() -> None:
+    """Make ``vtoken_stats`` callable through vLLM's utility RPC (vllm/v1/engine/core.py
+    EngineCore._handle_client_request looks utilities up with getattr on the EngineCore)."""
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, "vtoken_stats"):
+        def vtoken_stats(self) -> dict[str, Any]:
+            fn = getattr(self.scheduler, "vtoken_stats", None)
+            return fn() if fn else {"mode": "off"}
+        EngineCore.vtoken_stats = vtoken_stats
+
+
+_install_engine_core_utility()

@@ -1,0 +1,41 @@
+"""Worker classes vLLM loads by name (``ParallelConfig.worker_cls``) when vToken is on."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vtoken.vllm_adapter.model_runner import make_cpu_runner_cls
+
+
+class VTokenCPUWorker(CPUWorker):
+    """Mirror of vllm/v1/worker/cpu_worker.py CPUWorker.init_device, which builds its CPUModelRunner inline:
+    we let it, then replace the (not yet loaded) runner with vToken's subclass."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        if self.use_v2_model_runner:
+            raise RuntimeError("vToken needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
+        self.model_runner = make_cpu_runner_cls()(self.vllm_config, torch.device("cpu"))
+
+
+def _gpu_worker_cls():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vtoken.vllm_adapter.model_runner import make_gpu_runner_cls
+
+    class VTokenGPUWorker(Worker):
+        """Mirror of vllm/v1/worker/gpu_worker.py Worker._make_model_runner (meant for subclasses)."""
+
+        def _make_model_runner(self, *args, **kwargs):
+            if self.use_v2_model_runner:
+                raise RuntimeError("vToken needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
+            return make_gpu_runner_cls()(self.vllm_config, self.device)
+
+    return VTokenGPUWorker
+
+
+def __getattr__(name: str):
+    if name == "VTokenGPUWorker":  # imported lazily: the CPU build of vLLM has no CUDA worker deps
+        return _gpu_worker_cls()
+    raise AttributeError(name)
