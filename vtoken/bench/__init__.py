@@ -8,7 +8,7 @@ import platform
 import time
 from pathlib import Path
 
-BENCHMARKS = {"core": "vtoken.bench.core"}  # name -> module with add_args(parser) and run(args) -> dict
+BENCHMARKS = {"core": "vtoken.bench.core", "overhead": "vtoken.bench.overhead"}  # name -> module with add_args(parser) and run(args) -> dict
 
 
 def add_cli(sub) -> None:
