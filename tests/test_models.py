@@ -122,13 +122,13 @@ def test_prepare_tiny_llama_is_idempotent_and_tracks_the_spec(data, monkeypatch)
     assert path == data / "models" / "tiny-llama" == models.model_path("tiny-llama")
     config = json.loads((path / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (256, 2, 49152)
-    assert config["dtype"] == "float32" and config["tie_word_embeddings"] is True
+    assert config["dtype"] == "float32" and config["tie_word_embeddings"] is False
     assert "quantization_config" not in config
     assert (path / "chat_template.jinja").is_file() and (path / "tokenizer.json").is_file()
     manifest = json.loads((path / models.MANIFEST).read_text())
     assert manifest["spec"]["attn_sharpness"] == 4.0 and len(manifest["source"]["sha256"]) == 64
     weights = load_file(path / "model.safetensors")
-    assert "lm_head.weight" not in weights  # tied to the embedding
+    assert "lm_head.weight" in weights  # untied: a tied random head just repeats the input token
     q, v = (weights[f"model.layers.0.self_attn.{p}_proj.weight"].std().item() for p in "qv")
     assert 3.5 < q / v < 4.5  # init std 0.02 for both, then q (and k) scaled by attn_sharpness
 

@@ -131,23 +131,13 @@ class VTokenRunnerMixin:
         return out
 
 
-def make_cpu_runner_cls():
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+def runner_cls(base: type) -> type:
+    """vToken's runner over one of vLLM's V1 runners (CPUModelRunner or GPUModelRunner)."""
 
-    class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
+    class VTokenModelRunner(VTokenRunnerMixin, base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._vt_setup()
 
-    return VTokenCPUModelRunner
-
-
-def make_gpu_runner_cls():
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._vt_setup()
-
-    return VTokenGPUModelRunner
+    VTokenModelRunner.__name__ = VTokenModelRunner.__qualname__ = f"VToken{base.__name__}"
+    return VTokenModelRunner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vtoken.vllm_adapter.model_runner import make_cpu_runner_cls
+from vtoken.vllm_adapter.model_runner import runner_cls
 
 
 class VTokenCPUWorker(CPUWorker):
@@ -16,13 +16,14 @@ class VTokenCPUWorker(CPUWorker):
         super().init_device()
         if self.use_v2_model_runner:
             raise RuntimeError("vToken needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
-        self.model_runner = make_cpu_runner_cls()(self.vllm_config, torch.device("cpu"))
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        self.model_runner = runner_cls(CPUModelRunner)(self.vllm_config, torch.device("cpu"))
 
 
 def _gpu_worker_cls():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
-
-    from vtoken.vllm_adapter.model_runner import make_gpu_runner_cls
 
     class VTokenGPUWorker(Worker):
         """Mirror of vllm/v1/worker/gpu_worker.py Worker._make_model_runner (meant for subclasses)."""
@@ -30,7 +31,7 @@ def _gpu_worker_cls():
         def _make_model_runner(self, *args, **kwargs):
             if self.use_v2_model_runner:
                 raise RuntimeError("vToken needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
-            return make_gpu_runner_cls()(self.vllm_config, self.device)
+            return runner_cls(GPUModelRunner)(self.vllm_config, self.device)
 
     return VTokenGPUWorker
 
