@@ -24,11 +24,15 @@ EVICT = {"budget": 0.5, "sink": 2, "recent": 4}
 
 @functools.lru_cache(maxsize=None)
 def _run(cfg_json: str, dtype: str = "float32", n: int = 3, max_tokens: int = 48, kv_bytes: int = 64 << 20,
-         max_model_len: int = 1024):
+         max_model_len: int = 1024, shared_prefix: int = 0, rounds: int = 1):
     import tempfile
     cfg = json.loads(cfg_json)
-    return run(str(model_path("tiny-llama")), cfg, prompts(n, lengths=(70, 130, 45, 100)), max_tokens=max_tokens,
-               dtype=dtype, trace_dir=tempfile.mkdtemp(), kv_bytes=kv_bytes, max_model_len=max_model_len)
+    ps = prompts(n, lengths=(70, 130, 45, 100))
+    if shared_prefix:
+        ps = [ps[0][:shared_prefix] + p for p in ps]
+    return run(str(model_path("tiny-llama")), cfg, ps, max_tokens=max_tokens, dtype=dtype,
+               trace_dir=tempfile.mkdtemp(), kv_bytes=kv_bytes, max_model_len=max_model_len, rounds=rounds,
+               enable_prefix_caching=bool(shared_prefix))
 
 
 def engine(cfg: dict | None, **kw):
@@ -61,8 +65,8 @@ def test_off_is_stock_vllm():
     assert engine_kwargs(None, **kw) == kw
 
 
-@pytest.mark.parametrize("key,value", [("speculative_config", {"method": "ngram"}), ("enable_prefix_caching", True),
-                                       ("async_scheduling", True), ("pipeline_parallel_size", 2)])
+@pytest.mark.parametrize("key,value", [("speculative_config", {"method": "ngram"}), ("async_scheduling", True),
+                                       ("pipeline_parallel_size", 2)])
 def test_incompatible_features_are_refused(key, value):
     with pytest.raises(ValueError, match=key):
         engine_kwargs(VTokenConfig(mode="vtoken"), **{key: value})
@@ -110,6 +114,18 @@ def test_negative_controls_break_exactness(fault):
     r = engine({"mode": "vtoken", "policy": "random", "fault": fault, **EVICT})
     with pytest.raises(AssertionError):
         check_exact(r)
+
+
+# ------------------------------------------------------------------ prefix caching
+def test_prefix_caching_shares_blocks_safely():
+    """Three requests share a 100-token prefix, in two rounds on one engine. vLLM shares the first two
+    blocks (64 tokens): no request evicts a token there, and every output - including round two's, whose
+    prefix hits land on blocks left by round one after it evicted and moved tokens - still equals the
+    masked reference, so no block that lost or gained tokens was served as a prefix hit."""
+    r = engine({"mode": "vtoken", "policy": "h2o", **EVICT}, shared_prefix=100, rounds=2)
+    assert r.metrics["vllm:prefix_cache_hits"] >= 3 * 64
+    check_exact(r)
+    assert all(min(t["evicted_positions"]) >= 64 for t in r.trace)
 
 
 # ------------------------------------------------------------------ Naive-Evict pair

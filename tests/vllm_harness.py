@@ -26,7 +26,7 @@ def prompts(n: int = 3, lengths=(70, 130, 45), seed: int = 0, vocab: int = 49000
 
 def run(model: str, vtoken: dict | None, token_prompts: list[list[int]], max_tokens: int = 48,
         dtype: str = "float32", trace_dir: Path | None = None, kv_bytes: int = 64 << 20,
-        max_model_len: int = 1024, **kwargs) -> Run:
+        max_model_len: int = 1024, rounds: int = 1, **kwargs) -> Run:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -42,7 +42,8 @@ def run(model: str, vtoken: dict | None, token_prompts: list[list[int]], max_tok
                    enforce_eager=True, **kwargs)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sp, use_tqdm=False)
+        outs = [o for _ in range(rounds)
+                for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sp, use_tqdm=False)]
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         lps = [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                for o in outs]

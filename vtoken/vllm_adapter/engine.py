@@ -21,8 +21,6 @@ WORKERS = {"cpu": "vtoken.vllm_adapter.worker.VTokenCPUWorker", "cuda": "vtoken.
 REFUSED = {
     "speculative_config": (lambda v: v is not None,
                            "speculative decoding verifies draft tokens against KV that eviction rewrites"),
-    "enable_prefix_caching": (lambda v: bool(v), "prefix caching with token eviction is not supported yet "
-                              "(a block that lost tokens must never be a prefix hit); leave it off"),
     "async_scheduling": (lambda v: bool(v),
                          "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps"),
     "pipeline_parallel_size": (lambda v: (v or 1) > 1, "pipeline parallelism is not supported with vToken"),
@@ -50,7 +48,8 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
     return {**kwargs, "scheduler_cls": SCHEDULER, "worker_cls": WORKERS[_platform()],
-            "additional_config": extra, "enable_prefix_caching": False, "async_scheduling": False}
+            "additional_config": extra, "enable_prefix_caching": bool(kwargs.get("enable_prefix_caching")),
+            "async_scheduling": False}
 
 
 def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):

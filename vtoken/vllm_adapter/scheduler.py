@@ -54,6 +54,7 @@ class VTokenScheduler(Scheduler):
         self.vt_ballast: dict[str, list] = {}           # naive mode: blocks held as Naive-Evict would
         self.vt_stats_in: dict[str, dict[str, np.ndarray]] = {}
         self.vt_gap_sent: dict[str, int] = {}
+        self.vt_dirty: set[str] = set()                 # requests that lost tokens: never prefix-cached again
         self.vt_totals = EngineTotals()
         self._wrap_coordinator()
 
@@ -78,8 +79,17 @@ class VTokenScheduler(Scheduler):
             gap = self._gap(request_id)
             return orig_alloc(request_id, num_tokens - gap, num_tokens_main_model - gap, *args, **kwargs)
 
+        orig_cache = coord.cache_blocks
+
+        def cache_blocks(request, num_computed_tokens):
+            """Mirror of KVCacheCoordinator.cache_blocks: it hashes block i as logical tokens [i*B, (i+1)*B);
+            once a request lost a token that no longer describes its blocks, so it is never cached again."""
+            if request.request_id not in self.vt_dirty:
+                orig_cache(request, num_computed_tokens)
+
         coord.get_num_blocks_to_allocate = get_num_blocks_to_allocate
         coord.allocate_new_blocks = allocate_new_blocks
+        coord.cache_blocks = cache_blocks
 
     # ---------------------------------------------------------------- the step
     def schedule(self, *args, **kwargs):
@@ -122,9 +132,10 @@ class VTokenScheduler(Scheduler):
             victims = self._select(table, step, stats, rid, policy)
             if victims.size == 0:
                 continue
-            table.kill(victims)
+            holes = table.kill(victims)
             self.vt_records[rid].record_deaths(victims, step)
-            batch, n_keep = self._compact(rid, table)
+            self.vt_dirty.add(rid)
+            batch, n_keep = self._compact(rid, table, holes)
             moves.append(batch)
             keep[rid] = n_keep
             gap = table.num_logical - table.physical_len
@@ -156,12 +167,16 @@ class VTokenScheduler(Scheduler):
         slots = table.slot_of[live]
         return shared[np.minimum(slots // self.vt_bs, len(blocks) - 1)]
 
-    def _compact(self, rid: str, table: TokenTable) -> tuple[MoveBatch, int]:
+    def _compact(self, rid: str, table: TokenTable, holes: np.ndarray) -> tuple[MoveBatch, int]:
         blocks = self.vt_manager.req_to_blocks[rid]
         ids = [b.block_id for b in blocks]
         shared = np.array([b.ref_cnt > 1 for b in blocks], dtype=bool)
         n_protected = int(np.argmin(shared)) if not shared.all() else len(blocks)
         plan = plan_compaction(table.physical_live_mask(), ids, self.vt_bs, n_protected)
+        # A block that lost or gained tokens must never be offered as a prefix-cache hit again
+        # (vllm/v1/core/block_pool.py BlockPool.evict_blocks drops the hash, keeps the block).
+        touched = np.concatenate([holes, plan.src, plan.dst]) // self.vt_bs
+        self.vt_pool.evict_blocks({ids[i] for i in np.unique(touched).tolist()})
         table.apply_moves(plan.src, plan.dst, plan.physical_len)
         # Keep one block for the token about to be written if it is still in use; vLLM's allocate_slots
         # adds any block the next token needs.
@@ -253,6 +268,7 @@ class VTokenScheduler(Scheduler):
             self.vt_pool.free_blocks(reversed(ballast))
         self.vt_stats_in.pop(rid, None)
         self.vt_gap_sent.pop(rid, None)
+        self.vt_dirty.discard(rid)  # preemption recomputes every token: cacheable again
         super()._free_request_blocks(request)
 
     def _finish_record(self, request, table: TokenTable, record: RequestRecord) -> None:
