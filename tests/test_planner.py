@@ -77,11 +77,17 @@ def _frees_one_block_too_many(live, ids, bs, prot):
     return p._replace(keep_blocks=k, free_block_ids=ids[k:])
 
 
+def _duplicate_destination(live, ids, bs, prot):
+    p = plan_compaction(live, ids, bs, prot)
+    return p._replace(dst=np.r_[p.dst[:1], p.dst[:-1]]) if p.num_moves > 1 else p
+
+
 BUGS = {
     "off_by_one": (_off_by_one, np.array([1, 0, 1, 1, 1], bool), 0),
     "ignores_protection": (_ignores_protection, np.array([1, 0, 1, 1, 1, 1, 1, 1], bool), 1),
     "forgets_last_mover": (_forgets_last_mover, np.array([1, 0, 0, 1, 1, 1, 1, 0], bool), 0),
     "frees_too_many": (_frees_one_block_too_many, np.array([1, 1, 0, 1, 1, 1], bool), 0),
+    "duplicate_destination": (_duplicate_destination, np.array([1, 0, 0, 1, 1, 1, 1, 0], bool), 0),
     "reference_moves_too_much": (plan_compaction_reference, np.array([0, 1, 1, 1, 1, 1, 1, 1], bool), 0),
 }
 
