@@ -178,8 +178,8 @@ class VTokenScheduler(Scheduler):
         touched = np.concatenate([holes, plan.src, plan.dst]) // self.vt_bs
         self.vt_pool.evict_blocks({ids[i] for i in np.unique(touched).tolist()})
         table.apply_moves(plan.src, plan.dst, plan.physical_len)
-        # Keep one block for the token about to be written if it is still in use; vLLM's allocate_slots
-        # adds any block the next token needs.
+        # Blocks past the packed length are empty now; vLLM's allocate_slots adds back the block the next
+        # token needs, sized by the physical length.
         freed = blocks[plan.keep_blocks:]
         del blocks[plan.keep_blocks:]
         cached = self.vt_manager.num_cached_block
