@@ -65,28 +65,27 @@ class VTokenRunnerMixin:
             self.vt_bytes_moved += self.vt_mover.bytes_moved - before
             self.vt_move_seconds += time.perf_counter() - t0
         for rid, keep in step.keep_blocks.items():
-            state = self.requests.get(rid)
-            if state is None:
-                continue
-            for ids in state.block_ids:
-                del ids[keep:]
-            row = self.input_batch.req_id_to_index.get(rid)
-            if row is not None:
-                self.input_batch.block_table.add_row(state.block_ids, row)
+            self._vt_set_blocks(rid, lambda ids, keep=keep: ids[:keep])
         for rid, blocks in step.replace_blocks.items():
-            state = self.requests.get(rid)
-            if state is None:
-                continue
-            state.block_ids[0][:] = blocks
-            row = self.input_batch.req_id_to_index.get(rid)
-            if row is not None:
-                self.input_batch.block_table.add_row(state.block_ids, row)
+            self._vt_set_blocks(rid, lambda ids, blocks=blocks: blocks)
         self.vt_gaps.update(step.gaps)
         for rid in so.finished_req_ids:
             self.vt_gaps.pop(rid, None)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             self.vt_gaps.pop(rid, None)  # resumed after preemption: recomputed from scratch, no gap
         self.vt_want = step.want_scores
+
+    def _vt_set_blocks(self, rid: str, new) -> None:
+        """Rewrite a request's block list in CachedRequestState and in the persistent batch together: a
+        request re-added to the batch is rebuilt from the former (GPUModelRunner._update_states)."""
+        state = self.requests.get(rid)
+        if state is None:
+            return
+        ids = state.block_ids[0]  # vToken runs one full-attention KV group (checked by the scheduler)
+        ids[:] = new(ids)
+        row = self.input_batch.req_id_to_index.get(rid)
+        if row is not None:
+            self.input_batch.block_table.add_row(state.block_ids, row)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
         """Mirror of GPUModelRunner._prepare_inputs, then split positions (logical, for RoPE) from slots

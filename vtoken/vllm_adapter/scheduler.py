@@ -28,7 +28,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vtoken.accounting import floor_blocks, naive_retained_blocks
 from vtoken.mover import MoveBatch
-from vtoken.planner import plan_compaction, to_global_slots
+from vtoken.planner import plan_compaction, protected_prefix, to_global_slots
 from vtoken.policies import PolicyInput
 from vtoken.replay import request_seed
 from vtoken.token_table import TokenTable
@@ -158,20 +158,22 @@ class VTokenScheduler(Scheduler):
                           self.vt_records[rid].seed)
         return policy.select(inp)
 
+    def _shared_blocks(self, rid: str) -> np.ndarray:
+        """Which of the request's blocks other requests also hold (ref_cnt > 1), e.g. a cached prefix."""
+        return np.array([b.ref_cnt > 1 for b in self.vt_manager.req_to_blocks.get(rid, [])], dtype=bool)
+
     def _protected(self, rid: str, table: TokenTable, live: np.ndarray) -> np.ndarray | None:
-        """Tokens in blocks shared with another request (ref_cnt > 1) are never evicted (the paper's rule)."""
-        blocks = self.vt_manager.req_to_blocks.get(rid, [])
-        shared = np.array([b.ref_cnt > 1 for b in blocks], dtype=bool)
+        """Tokens in blocks shared with another request are never evicted (the paper's rule)."""
+        shared = self._shared_blocks(rid)
         if not shared.any():
             return None
         slots = table.slot_of[live]
-        return shared[np.minimum(slots // self.vt_bs, len(blocks) - 1)]
+        return shared[np.minimum(slots // self.vt_bs, shared.size - 1)]
 
     def _compact(self, rid: str, table: TokenTable, holes: np.ndarray) -> tuple[MoveBatch, int]:
         blocks = self.vt_manager.req_to_blocks[rid]
         ids = [b.block_id for b in blocks]
-        shared = np.array([b.ref_cnt > 1 for b in blocks], dtype=bool)
-        n_protected = int(np.argmin(shared)) if not shared.all() else len(blocks)
+        n_protected = protected_prefix(self._shared_blocks(rid))
         plan = plan_compaction(table.physical_live_mask(), ids, self.vt_bs, n_protected)
         # A block that lost or gained tokens must never be offered as a prefix-cache hit again
         # (vllm/v1/core/block_pool.py BlockPool.evict_blocks drops the hash, keeps the block).
