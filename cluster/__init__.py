@@ -1,0 +1,1 @@
+"""The serving cluster: controller, placement, autoscaler, gRPC gateway, configuration, CLI."""

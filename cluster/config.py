@@ -1,0 +1,165 @@
+"""ServeConfig: everything `vtoken serve` reads from configs/serve.yaml, validated with clear errors."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    kind: Literal["vllm", "fake"] = Field("vllm", description="vllm: a vToken-enabled AsyncLLM. fake: an in-process "
+                                          "stand-in with the same block accounting (tests, demos)")
+    dtype: str = Field("float32", description="model dtype; float32 is fastest on CPUs without bf16 support")
+    block_size: int = Field(32, gt=0, description="KV block size in tokens (a multiple of 32 on CPU)")
+    max_model_len: int = Field(1024, gt=0, description="longest prompt + completion, tokens")
+    kv_cache_memory_bytes: int | None = Field(64 << 20, gt=0, description="KV pool size per replica; "
+                                              "null lets vLLM size it from gpu_memory_utilization")
+    enforce_eager: bool = Field(True, description="no CUDA graphs (vToken's score hooks run eagerly)")
+    extra: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine argument")
+    fake_total_blocks: int = Field(64, gt=0, description="fake engine only: blocks in the pool")
+    fake_token_delay_s: float = Field(0.01, ge=0, description="fake engine only: seconds per token")
+
+
+class ReplicaConfig(_Strict):
+    num_cpus: float = Field(1.0, ge=0, description="CPUs each replica actor reserves (fractions allowed)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 on a GPU cluster)")
+    max_restarts: int = Field(-1, ge=-1, description="Ray restarts a dead replica this many times (-1: always)")
+    report_interval_s: float = Field(1.0, gt=0, le=10, description="longest gap between two reports")
+    change_fraction: float = Field(0.05, gt=0, le=1, description="report at once when free blocks move by this "
+                                   "fraction of the pool")
+
+
+class PlacementConfig(_Strict):
+    strategy: str = Field("free_blocks", description="free_blocks, round_robin or power_of_two")
+    stale_after_s: float = Field(3.0, gt=0, description="a report older than this is stale: the replica keeps "
+                                 "serving but its figures are only trusted with what was placed since")
+    dead_after_s: float = Field(6.0, gt=0, description="no report for this long: the replica is marked dead")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from cluster.placement import STRATEGIES
+        if v not in STRATEGIES:
+            raise ValueError(f"unknown placement strategy {v!r}; known: {', '.join(sorted(STRATEGIES))}")
+        return v
+
+
+class AutoscalingConfig(_Strict):
+    enabled: bool = Field(False, description="let the controller change the replica count")
+    min_replicas: int = Field(1, ge=1, description="never fewer replicas")
+    max_replicas: int = Field(4, ge=1, description="never more replicas (on one machine also: the local CPUs)")
+    low_watermark: float = Field(0.15, gt=0, lt=1, description="scale out when effective free capacity stays "
+                                 "under this fraction of all blocks")
+    scale_in_margin: float = Field(0.25, ge=0, description="scale in when free + reclaimed exceeds one replica's "
+                                   "blocks by this fraction of it (hysteresis between the two thresholds)")
+    sustain_s: float = Field(5.0, ge=0, description="a condition must hold this long before acting")
+    cooldown_s: float = Field(30.0, ge=0, description="at least this long between two scaling decisions")
+    request_resources: Literal["auto", "always", "never"] = Field(
+        "auto", description="ask Ray's autoscaler (ray.autoscaler.sdk.request_resources) for the replicas' "
+        "resources: auto = only when joined to a cluster with --address")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
+class GatewayConfig(_Strict):
+    host: str = Field("127.0.0.1", description="bind address; anything but loopback needs TLS or "
+                      "allow_insecure_remote")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    tls_cert: str | None = Field(None, description="PEM certificate file")
+    tls_key: str | None = Field(None, description="PEM private key file")
+    allow_insecure_remote: bool = Field(False, description="explicit opt-out: bind a non-loopback address "
+                                        "without TLS")
+    auth_token_env: str | None = Field(None, description="environment variable holding a bearer token that "
+                                       "every call must carry (authorization: Bearer <token>)")
+    max_request_bytes: int = Field(1 << 20, gt=0, description="larger requests get RESOURCE_EXHAUSTED")
+    max_prompt_chars: int = Field(65536, gt=0, description="longer prompts get INVALID_ARGUMENT before tokenizing")
+    max_inflight: int = Field(256, gt=0, description="requests admitted at once (running + queued); beyond, "
+                              "RESOURCE_EXHAUSTED")
+    max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
+    place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
+
+    @model_validator(mode="after")
+    def _secure(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if not _is_loopback(self.host) and self.tls_cert is None and not self.allow_insecure_remote:
+            raise ValueError(f"gateway host {self.host!r} is not loopback: set tls_cert and tls_key, or "
+                             "allow_insecure_remote: true to serve in clear text")
+        return self
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="join this cluster; null starts an embedded local Ray")
+    namespace: str = Field("vtoken", description="Ray namespace of the controller and replicas")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs of the embedded local Ray (null: all)")
+
+
+class ServeConfig(_Strict):
+    """The whole serving deployment. Unknown keys are errors, so typos never pass silently."""
+    name: str = Field("vtoken", pattern=r"^[a-z0-9][a-z0-9-]*$", description="deployment name (actor names)")
+    model: str = Field(..., description="a prepared model name (vtoken models list) or a model folder")
+    replicas: int = Field(2, ge=1, description="replicas at start")
+    vtoken: dict[str, Any] = Field(default_factory=lambda: {"mode": "vtoken"},
+                                   description="VTokenConfig fields (mode, policy, budget, ...)")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("vtoken")
+    @classmethod
+    def _vtoken(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from vtoken.vllm_adapter.config import VTokenConfig
+        return VTokenConfig(**v).model_dump()
+
+    def model_folder(self) -> str:
+        if self.engine.kind == "fake" or Path(self.model).is_dir():
+            return self.model
+        from vtoken.models import model_path
+        return str(model_path(self.model))
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and every bad field."""
+
+
+def load_config(path: str | Path, **overrides: Any) -> ServeConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> ServeConfig:
+    try:
+        return ServeConfig(**raw)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"{source}: invalid serve config:\n" + "\n".join(lines)) from None

@@ -1,0 +1,238 @@
+"""Controller: a Ray actor that owns the replicas, aggregates their reports and places every request.
+
+Replica states: starting -> healthy -> (dead -> starting -> healthy)* -> draining -> gone.
+  * healthy: has reported since its last (re)start; the only state placement ever sees.
+  * dead: a call failed (the gateway says so) or no report for ``dead_after_s``. Ray restarts the process
+    (``max_restarts``) and the controller calls ``start()`` again; if Ray gave up, a new actor replaces it.
+  * draining: scale-in; takes no new requests, is killed once its in-flight requests are done.
+Promises: a request placed on a replica counts its estimated blocks against it until its first token
+(from then on its blocks are in the replica's own ``free_blocks``) or its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.engines import EngineFactory
+from actors.replica import Replica
+from cluster.autoscaler import Autoscaler, request_cluster_resources
+from cluster.config import ServeConfig
+from cluster.placement import ReplicaView, make_strategy
+
+log = logging.getLogger("vtoken.controller")
+REPLICA_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class ReplicaState:
+    name: str
+    handle: Any
+    state: str = "starting"
+    report: dict[str, Any] = field(default_factory=dict)
+    reported_at: float = 0.0
+    died_at: float | None = None
+    task: asyncio.Task | None = None
+
+
+def engine_factory(cfg: ServeConfig) -> EngineFactory:
+    e = cfg.engine
+    if e.kind == "fake":
+        return EngineFactory("fake", {"total_blocks": e.fake_total_blocks, "block_size": e.block_size,
+                                      "token_delay_s": e.fake_token_delay_s})
+    args = {"dtype": e.dtype, "block_size": e.block_size, "max_model_len": e.max_model_len,
+            "enforce_eager": e.enforce_eager, "seed": 0, **e.extra}
+    if e.kv_cache_memory_bytes:
+        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
+    return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": args})
+
+
+class Controller:
+    def __init__(self, cfg: dict[str, Any], local: bool = True):
+        self.cfg = ServeConfig(**cfg)
+        self.local, self.factory = local, engine_factory(self.cfg)
+        self.strategy = make_strategy(self.cfg.placement.strategy)
+        self.autoscaler = Autoscaler(self.cfg.autoscaling)
+        self.replicas: dict[str, ReplicaState] = {}
+        self.target, self.seq = self.cfg.replicas, 0
+        self.promises: dict[str, tuple[str, int]] = {}
+        self.decisions: collections.deque = collections.deque(maxlen=50)
+        self.recoveries: list[float] = []
+        self.drained: list[dict[str, Any]] = []
+        self._loop: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, timeout_s: float = 600) -> int:
+        """Create the replicas and wait until ``target`` of them are healthy; returns how many are."""
+        self._reconcile()
+        self._loop = asyncio.ensure_future(self._monitor())
+        t_end = time.monotonic() + timeout_s
+        while self._count("healthy") < self.target and time.monotonic() < t_end:
+            await asyncio.sleep(0.2)
+        return self._count("healthy")
+
+    async def shutdown(self, timeout_s: float = 30) -> list[dict[str, Any]]:
+        """Drain every replica and kill it; returns each replica's final report (all blocks free)."""
+        if self._loop:
+            self._loop.cancel()
+        finals = await asyncio.gather(*(self._drain(st, timeout_s) for st in list(self.replicas.values())))
+        return [f for f in finals if f]
+
+    def _count(self, *states: str) -> int:
+        return sum(st.state in states for st in self.replicas.values())
+
+    def _create(self, died_at: float | None = None) -> None:
+        self.seq += 1
+        name = f"{self.cfg.name}-replica-{self.seq}"
+        r = self.cfg.replica
+        handle = ray.remote(Replica).options(
+            name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_restarts=r.max_restarts,
+            max_task_retries=0, max_concurrency=10000, runtime_env={"env_vars": REPLICA_ENV},
+        ).remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s,
+                 r.change_fraction)
+        st = ReplicaState(name, handle, died_at=died_at)
+        self.replicas[name] = st
+        st.task = asyncio.ensure_future(self._start_replica(st))
+        log.info("replica %s created", name)
+
+    async def _start_replica(self, st: ReplicaState) -> None:
+        """(Re)start the engine. Ray restarts a killed process by itself; a replica Ray gave up on
+        (restarts exhausted, node gone) is replaced by a new actor."""
+        while True:
+            try:
+                await st.handle.start.remote()
+                return
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(0.5)  # restarting: try again
+            except ray.exceptions.RayActorError as e:
+                log.warning("replica %s is gone for good (%s); replacing it", st.name, e)
+                ray.kill(st.handle, no_restart=True)
+                self.replicas.pop(st.name, None)
+                self._create(died_at=st.died_at or time.monotonic())
+                return
+
+    async def _drain(self, st: ReplicaState, timeout_s: float = 60) -> dict[str, Any] | None:
+        st.state = "draining"
+        final = None
+        try:
+            final = await asyncio.wait_for(st.handle.drain.remote(timeout_s), timeout_s + 10)
+            await asyncio.wait_for(st.handle.shutdown.remote(), 30)
+        except Exception as e:  # a dead replica has nothing to drain
+            log.warning("replica %s: drain failed: %s", st.name, e)
+        ray.kill(st.handle, no_restart=True)
+        self.replicas.pop(st.name, None)
+        if final:
+            self.drained.append(final)
+        return final
+
+    # ------------------------------------------------------------------ reports and health
+    async def report(self, name: str, r: dict[str, Any]) -> None:
+        st = self.replicas.get(name)
+        if st is None or st.state == "draining":
+            return
+        if st.report.get("incarnation") != r.get("incarnation"):  # a new process: old promises are void
+            self.promises = {k: v for k, v in self.promises.items() if v[0] != name}
+        st.report, st.reported_at = r, time.monotonic()
+        if st.state in ("starting", "dead") and r.get("healthy"):
+            st.state = "healthy"
+            if st.died_at is not None:
+                self.recoveries.append(time.monotonic() - st.died_at)
+                log.info("replica %s serving again %.1fs after its death", name, self.recoveries[-1])
+                st.died_at = None
+
+    async def mark_failed(self, name: str, why: str = "call failed") -> None:
+        st = self.replicas.get(name)
+        if st is not None and st.state in ("healthy", "starting"):
+            log.warning("replica %s marked dead: %s", name, why)
+            st.state, st.died_at = "dead", time.monotonic()
+            self.promises = {k: v for k, v in self.promises.items() if v[0] != name}
+            if st.task is None or st.task.done():
+                st.task = asyncio.ensure_future(self._start_replica(st))
+
+    async def _monitor(self) -> None:
+        next_scale = 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                for st in list(self.replicas.values()):
+                    if st.state == "healthy" and now - st.reported_at > self.cfg.placement.dead_after_s:
+                        await self.mark_failed(st.name, f"no report for {now - st.reported_at:.1f}s")
+                if self.cfg.autoscaling.enabled and now >= next_scale:
+                    next_scale = now + 1.0
+                    self._autoscale(now)
+                self._reconcile()
+            except Exception:
+                log.exception("controller monitor")
+            await asyncio.sleep(0.25)
+
+    # ------------------------------------------------------------------ scaling
+    def _limit(self) -> int:
+        """Replicas this deployment can hold: on one machine, what its CPUs allow."""
+        if not self.local or self.cfg.replica.num_cpus <= 0:
+            return self.cfg.autoscaling.max_replicas
+        cpus = ray.cluster_resources().get("CPU", 1)
+        return max(1, math.floor(cpus / self.cfg.replica.num_cpus))
+
+    def _autoscale(self, now: float) -> None:
+        d = self.autoscaler.decide(now, self._views(), self.target, self._limit())
+        if d is not None:
+            log.info("autoscaler: %d -> %d replicas: %s", d.from_replicas, d.to_replicas, d.reason)
+            self.decisions.append({**d._asdict(), "time": time.time()})
+            self._set_target(d.to_replicas)
+
+    def _set_target(self, n: int) -> None:
+        self.target = n
+        ac = self.cfg.autoscaling
+        if ac.request_resources == "always" or (ac.request_resources == "auto" and not self.local):
+            request_cluster_resources(n, self.cfg.replica.num_cpus, self.cfg.replica.num_gpus)
+
+    async def scale(self, n: int) -> int:
+        if n < 1:
+            raise ValueError("replicas must be >= 1")
+        self.decisions.append({"time": time.time(), "from_replicas": self.target, "to_replicas": n,
+                               "reason": "manual (vtoken scale)"})
+        self._set_target(n)
+        return n
+
+    def _reconcile(self) -> None:
+        active = [st for st in self.replicas.values() if st.state != "draining"]
+        for _ in range(self.target - len(active)):
+            self._create()
+        if len(active) > self.target:  # drain the least busy (a dead one first)
+            order = sorted(active, key=lambda s: (s.state == "healthy", s.report.get("running", 0)))
+            for st in order[:len(active) - self.target]:
+                asyncio.ensure_future(self._drain(st))
+
+    # ------------------------------------------------------------------ placement
+    def _views(self) -> list[ReplicaView]:
+        now, promised = time.monotonic(), collections.Counter()
+        for name, blocks in self.promises.values():
+            promised[name] += blocks
+        return [ReplicaView(st.name, int(st.report.get("free_blocks", 0)), int(st.report.get("total_blocks", 0)),
+                            promised[st.name], int(st.report.get("running", 0)), int(st.report.get("waiting", 0)),
+                            int(st.report.get("blocks_reclaimed", 0)),
+                            now - st.reported_at > self.cfg.placement.stale_after_s)
+                for st in self.replicas.values() if st.state == "healthy"]
+
+    async def place(self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = ()) -> tuple | None:
+        """(name, handle) of the replica chosen for the request, or None if no replica can take it now."""
+        views = [v for v in self._views() if v.name not in exclude]
+        if not views:
+            return None
+        v = self.strategy.choose(views, need_blocks)
+        self.promises[request_id] = (v.name, need_blocks)
+        return v.name, self.replicas[v.name].handle
+
+    async def started(self, request_id: str) -> None:
+        self.promises.pop(request_id, None)
+
+    async def status(self) -> dict[str, Any]:
+        from cluster.status import cluster_status
+        return cluster_status(self)

@@ -1,0 +1,211 @@
+"""The gRPC front door: Generate (server streaming), GetClusterStatus, Scale, plus the standard health
+service and server reflection (so `grpcurl` works). Runs in the `vtoken serve` process on asyncio.
+
+A request's path: admission (bounded: ``max_inflight``, else RESOURCE_EXHAUSTED) -> validation
+(INVALID_ARGUMENT) -> placement by the controller -> a Ray streaming call to the replica. A replica that
+dies before the first token: the request is placed again elsewhere (``max_attempts``); after it: the
+stream ends with UNAVAILABLE. Deadlines and client cancellation abort the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+import ray
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from actors.engines import GenerateSpec
+from cluster.config import ServeConfig
+from cluster.placement import estimate_blocks
+from cluster.proto import vtoken_pb2 as pb
+from cluster.requests import BadRequest, Tokenizer, parse, validate
+from cluster.status import to_proto
+
+log = logging.getLogger("vtoken.gateway")
+SERVICE = pb.DESCRIPTOR.services_by_name["VToken"].full_name
+Code = grpc.StatusCode
+
+
+class Gateway:
+    def __init__(self, cfg: ServeConfig, controller: Any, tokenizer: Tokenizer):
+        self.cfg, self.g, self.controller, self.tok = cfg, cfg.gateway, controller, tokenizer
+        self.inflight = 0
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        v = cfg.vtoken
+        self._budget = (v.get("budget"), v.get("sink", 0), v.get("recent", 0)) if v.get("mode") != "off" else None
+
+    # ------------------------------------------------------------------ server
+    async def start(self) -> int:
+        """Bind and serve; returns the port (``port: 0`` picks a free one)."""
+        token = os.environ.get(self.g.auth_token_env) if self.g.auth_token_env else None
+        if self.g.auth_token_env and not token:
+            raise ValueError(f"auth_token_env is {self.g.auth_token_env} but that variable is not set")
+        self.server = grpc.aio.server(
+            interceptors=[BearerAuth(token)] if token else [],
+            options=[("grpc.max_receive_message_length", self.g.max_request_bytes)])
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.generate, response_serializer=pb.GenerateResponse.SerializeToString),
+            "GetClusterStatus": grpc.unary_unary_rpc_method_handler(
+                self.get_cluster_status, request_deserializer=pb.ClusterStatusRequest.FromString,
+                response_serializer=pb.ClusterStatus.SerializeToString),
+            "Scale": grpc.unary_unary_rpc_method_handler(
+                self.scale, request_deserializer=pb.ScaleRequest.FromString,
+                response_serializer=pb.ScaleResponse.SerializeToString),
+        }),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        addr = f"{self.g.host}:{self.g.port}"
+        if self.g.tls_cert:
+            creds = grpc.ssl_server_credentials([(Path(self.g.tls_key).read_bytes(),
+                                                  Path(self.g.tls_cert).read_bytes())])
+            port = self.server.add_secure_port(addr, creds)
+        else:
+            port = self.server.add_insecure_port(addr)
+        await self.server.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+    # ------------------------------------------------------------------ RPCs
+    async def get_cluster_status(self, request, context) -> pb.ClusterStatus:
+        return to_proto(await self.controller.status.remote())
+
+    async def scale(self, request, context) -> pb.ScaleResponse:
+        if request.replicas < 1:
+            await context.abort(Code.INVALID_ARGUMENT, "replicas must be >= 1")
+        return pb.ScaleResponse(target_replicas=await self.controller.scale.remote(request.replicas))
+
+    async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
+        if self.inflight >= self.g.max_inflight:
+            await context.abort(Code.RESOURCE_EXHAUSTED, f"server busy: {self.inflight} requests in flight "
+                                f"(limit {self.g.max_inflight}); retry later")
+        try:
+            req = validate(parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars)
+        except BadRequest as e:
+            await context.abort(Code.INVALID_ARGUMENT, str(e))
+        self.inflight += 1
+        try:
+            async for msg in self._serve(req, context):
+                yield msg
+        finally:
+            self.inflight -= 1
+            self.controller.started.remote(req.request_id)  # release the promise whatever happened
+
+    async def _serve(self, req, context) -> AsyncIterator[pb.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        limits = [t for t in (context.time_remaining(), req.deadline_s) if t is not None]
+        deadline = loop.time() + min(limits) if limits else None
+        need = estimate_blocks(len(req.prompt_token_ids), req.sampling.max_tokens, self.cfg.engine.block_size,
+                               *(self._budget or ()))
+        spec = GenerateSpec(req.request_id, req.prompt_token_ids, _vllm_sampling(req.sampling))
+        tried: list[str] = []
+        for _ in range(self.g.max_attempts):
+            placed = await self._place(req.request_id, need, tried, deadline)
+            if placed is None:
+                await context.abort(Code.UNAVAILABLE, "no live replica could take the request")
+            name, replica = placed
+            tried.append(name)
+            stream = replica.generate.options(num_returns="streaming").remote(spec)
+            streamed, done = 0, False
+            try:
+                while True:
+                    timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
+                    try:
+                        chunk = await asyncio.wait_for(_next(stream), timeout)
+                    except asyncio.TimeoutError:
+                        await context.abort(Code.DEADLINE_EXCEEDED, "deadline exceeded")
+                    if chunk is None:
+                        done = True
+                        return
+                    if chunk.error:
+                        done = True
+                        if chunk.error.startswith("unavailable") and not streamed:
+                            break  # draining or restarting: place it again
+                        await context.abort(Code.INVALID_ARGUMENT, chunk.error)
+                    if not streamed:
+                        self.controller.started.remote(req.request_id)
+                    streamed += 1
+                    done = chunk.finished
+                    yield pb.GenerateResponse(request_id=req.request_id, replica=name, text=chunk.text,
+                                              token_ids=chunk.token_ids, finished=chunk.finished,
+                                              finish_reason=chunk.finish_reason,
+                                              prompt_tokens=len(req.prompt_token_ids))
+                    if chunk.finished:
+                        return
+            except ray.exceptions.RayActorError as e:
+                done = True  # nothing left to abort on a dead replica
+                self.controller.mark_failed.remote(name, f"{type(e).__name__} during a request")
+                if streamed:
+                    await context.abort(Code.UNAVAILABLE, f"replica {name} died mid-stream; retry the request")
+                log.warning("replica %s died before request %s started; placing it again", name, req.request_id)
+            finally:
+                if not done:  # cancelled, deadline, or the client went away: free its blocks now
+                    ray.cancel(stream)
+                    replica.abort.remote(req.request_id)
+        await context.abort(Code.UNAVAILABLE, f"request failed on {len(tried)} replicas: {', '.join(tried)}")
+
+    async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None):
+        """Ask the controller until a replica is available (it may be restarting), up to place_timeout_s."""
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + self.g.place_timeout_s
+        if deadline is not None:
+            t_end = min(t_end, deadline)
+        while True:
+            placed = await self.controller.place.remote(rid, need, tuple(tried))
+            if placed is None and tried:  # everything else is down: the one that failed may be back
+                placed = await self.controller.place.remote(rid, need, ())
+            if placed is not None or loop.time() >= t_end:
+                return placed
+            await asyncio.sleep(0.2)
+
+
+async def _next(stream):
+    try:
+        return await (await stream.__anext__())
+    except StopAsyncIteration:
+        return None
+
+
+def _vllm_sampling(s) -> dict[str, Any]:
+    out = s.model_dump(exclude_none=True)
+    if not out["stop"]:
+        out.pop("stop")
+    return out
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Every call (health and reflection included) must carry ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if handler is None or hmac.compare_digest(got.encode(), self.expected):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(Code.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+                    if getattr(handler, k))
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            deny, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)

@@ -1,0 +1,83 @@
+"""Placement strategies: which live replica gets the next request. Chosen by name from ``STRATEGIES``.
+
+A strategy sees only ``ReplicaView``s of replicas that may take work (healthy, not draining); the controller
+has already filtered out the rest, so no strategy can place on a dead or draining replica.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from typing import Callable, NamedTuple
+
+
+class ReplicaView(NamedTuple):
+    """What placement knows of a replica. ``promised`` counts blocks of requests placed there that have not
+    started yet (their blocks are not in ``free_blocks`` yet); ``effective_free`` subtracts them."""
+    name: str
+    free_blocks: int
+    total_blocks: int
+    promised: int = 0
+    running: int = 0
+    waiting: int = 0
+    blocks_reclaimed: int = 0
+    stale: bool = False
+
+    @property
+    def effective_free(self) -> int:
+        return self.free_blocks - self.promised
+
+
+def estimate_blocks(prompt_tokens: int, max_tokens: int, block_size: int, budget: float | None = None,
+                    sink: int = 0, recent: int = 0) -> int:
+    """Peak blocks a request will hold. With a vToken budget the context is capped at the kept tokens
+    (a ratio of the context, or a count, plus the protected sink and recent tokens) once eviction starts."""
+    tokens = prompt_tokens + max_tokens
+    if budget:
+        kept = budget * tokens if budget < 1 else budget
+        tokens = min(tokens, max(prompt_tokens, math.ceil(kept) + sink + recent))
+    return max(1, math.ceil(tokens / block_size) + 1)  # + the block being filled
+
+
+class PlacementStrategy(ABC):
+    @abstractmethod
+    def choose(self, replicas: list[ReplicaView], need_blocks: int) -> ReplicaView:
+        """Pick one of ``replicas`` (never empty) for a request that will need ``need_blocks``."""
+
+
+class FreeBlocks(PlacementStrategy):
+    """The most effective free capacity; stale reports rank after fresh ones, ties by fewest waiting."""
+
+    def choose(self, replicas, need_blocks):
+        return max(replicas, key=lambda r: (not r.stale, r.effective_free, -r.waiting, -r.running))
+
+
+class RoundRobin(PlacementStrategy):
+    def __init__(self):
+        self.n = 0
+
+    def choose(self, replicas, need_blocks):
+        self.n += 1
+        return sorted(replicas, key=lambda r: r.name)[(self.n - 1) % len(replicas)]
+
+
+class PowerOfTwo(PlacementStrategy):
+    """Two replicas at random, the one with more effective free capacity (Mitzenmacher's two choices)."""
+
+    def __init__(self, seed: int | None = None):
+        self.rng = random.Random(seed)
+
+    def choose(self, replicas, need_blocks):
+        pair = self.rng.sample(replicas, min(2, len(replicas)))
+        return max(pair, key=lambda r: (r.effective_free, -r.waiting))
+
+
+STRATEGIES: dict[str, Callable[[], PlacementStrategy]] = {
+    "free_blocks": FreeBlocks, "round_robin": RoundRobin, "power_of_two": PowerOfTwo}
+
+
+def make_strategy(name: str) -> PlacementStrategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown placement strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name]()

@@ -1,0 +1,141 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "sampling", "deadline_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: ChatMessages
+    sampling: SamplingParams
+    deadline_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "replica", "text", "token_ids", "finished", "finish_reason", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    replica: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: str
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., replica: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("name", "state", "free_blocks", "total_blocks", "promised_blocks", "blocks_reclaimed", "blocks_freed", "live_tokens", "running", "waiting", "report_age_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    free_blocks: int
+    total_blocks: int
+    promised_blocks: int
+    blocks_reclaimed: int
+    blocks_freed: int
+    live_tokens: int
+    running: int
+    waiting: int
+    report_age_s: float
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., promised_blocks: _Optional[int] = ..., blocks_reclaimed: _Optional[int] = ..., blocks_freed: _Optional[int] = ..., live_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., report_age_s: _Optional[float] = ...) -> None: ...
+
+class ScalingDecision(_message.Message):
+    __slots__ = ("time", "from_replicas", "to_replicas", "reason")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TO_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    def __init__(self, time: _Optional[float] = ..., from_replicas: _Optional[int] = ..., to_replicas: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("replicas", "totals", "placement", "target_replicas", "decisions", "last_recovery_s")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    totals: ReplicaStatus
+    placement: str
+    target_replicas: int
+    decisions: _containers.RepeatedCompositeFieldContainer[ScalingDecision]
+    last_recovery_s: float
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., totals: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., placement: _Optional[str] = ..., target_replicas: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[ScalingDecision, _Mapping]]] = ..., last_recovery_s: _Optional[float] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("target_replicas",)
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    target_replicas: int
+    def __init__(self, target_replicas: _Optional[int] = ...) -> None: ...
