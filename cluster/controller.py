@@ -230,6 +230,12 @@ class Controller:
         self.promises[request_id] = (v.name, need_blocks)
         return v.name, self.replicas[v.name].handle
 
+    async def set_placement(self, strategy: str) -> None:
+        """Switch the strategy live (side-by-side measurements on the same replicas)."""
+        self.strategy = make_strategy(strategy)
+        self.cfg = self.cfg.model_copy(update={"placement": self.cfg.placement.model_copy(
+            update={"strategy": strategy})})
+
     async def started(self, request_id: str) -> None:
         self.promises.pop(request_id, None)
 

@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_cli(sub)
     demo.add_cli(sub)
     bench.add_cli(sub)
+    __import__("cluster.cli").cli.add_cli(sub)  # serve, generate, status, scale (Ray imported on use)
     return parser
 
 

