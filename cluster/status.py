@@ -41,7 +41,10 @@ def to_proto(status: dict[str, Any]):
 def from_proto(msg) -> dict[str, Any]:
     from google.protobuf.json_format import MessageToDict
 
-    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for row in [*d.get("replicas", []), d.get("totals", {})]:  # JSON carries int64 as strings
+        row.update({k: int(row[k]) for k in FIELDS if k in row})
+    return d
 
 
 COLUMNS = (("name", "replica"), ("state", "state"), ("free_blocks", "free"), ("total_blocks", "total"),
