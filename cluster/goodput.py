@@ -72,6 +72,8 @@ def compare(served, controller_call, load, deadline_s: float, rounds: int = 1,
             strategies=("free_blocks", "round_robin")) -> dict[str, Any]:
     """``controller_call(coro_ref)`` waits for a controller call; returns goodput per strategy."""
     out: dict[str, Any] = {s: [] for s in strategies}
+    controller_call(served.controller.set_placement.remote("round_robin"))
+    run_load(served.port, load[:4], deadline_s * 10)  # warm both replicas: first steps are slow on CPU
     for _ in range(rounds):
         for s in strategies:
             controller_call(served.controller.set_placement.remote(s))
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--deadline", type=float, default=12.0)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--kv-bytes", type=int, default=8 << 20)
+    ap.add_argument("--kv-bytes", type=int, default=4 << 20)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     cfg = parse_config({"name": "goodput", "model": args.model, "replicas": 2,
