@@ -47,10 +47,12 @@ class PlacementStrategy(ABC):
 
 
 class FreeBlocks(PlacementStrategy):
-    """The most effective free capacity; stale reports rank after fresh ones, ties by fewest waiting."""
+    """The most effective free capacity. A replica whose last report is stale is trusted only when no
+    fresh replica has room for the request; ties go to the fewest waiting requests."""
 
     def choose(self, replicas, need_blocks):
-        return max(replicas, key=lambda r: (not r.stale, r.effective_free, -r.waiting, -r.running))
+        return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, r.effective_free,
+                                            -r.waiting, -r.running))
 
 
 class RoundRobin(PlacementStrategy):

@@ -182,3 +182,28 @@ def test_ray_up_files_pass_rays_own_schema(name):
 def test_generated_proto_modules_are_up_to_date():
     from cluster.proto.generate import main
     assert main(["--check"]) == 0
+
+
+# ------------------------------------------------------------------------------ controller
+def test_controller_never_places_on_dead_draining_or_starting_replicas_and_tolerates_stale_reports():
+    import asyncio
+    import time
+
+    from cluster.controller import Controller, ReplicaState
+
+    ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
+    now = time.monotonic()
+    for name, state, free, age in [("dead", "dead", 999, 0), ("drain", "draining", 999, 0),
+                                   ("new", "starting", 999, 0), ("ok", "healthy", 10, 0), ("old", "healthy", 50, 4)]:
+        ctl.replicas[name] = ReplicaState(name, handle=name, state=state,
+                                          report={"free_blocks": free, "total_blocks": 64}, reported_at=now - age)
+
+    async def place(n):
+        return [(await ctl.place(f"r{i}", 4))[0] for i in range(n)]
+    # the stale replica ranks after the fresh one while it has room; promises fill "ok" (10 free) first
+    assert asyncio.run(place(4)) == ["ok", "ok", "old", "old"]
+    assert sum(b for _, b in ctl.promises.values()) == 16
+    asyncio.run(ctl.started("r0"))
+    assert "r0" not in ctl.promises
+    ctl.replicas["ok"].state = ctl.replicas["old"].state = "dead"
+    assert asyncio.run(ctl.place("x", 1)) is None
