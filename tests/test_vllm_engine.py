@@ -20,23 +20,39 @@ from vtoken.models import model_path  # noqa: E402
 from vtoken.vllm_adapter import VTokenConfig, engine_kwargs  # noqa: E402
 
 EVICT = {"budget": 0.5, "sink": 2, "recent": 4}
+# One engine serves the three policies: its own (h2o) for requests 0-2, per-request choices for the rest.
+POLICIES = ("h2o", "random", "scissorhands")
+MIXED = tuple(None if p == "h2o" else json.dumps({"policy": p}) for p in POLICIES for _ in range(3))
 
 
 @functools.lru_cache(maxsize=None)
 def _run(cfg_json: str, dtype: str = "float32", n: int = 3, max_tokens: int = 48, kv_bytes: int = 64 << 20,
-         max_model_len: int = 1024, shared_prefix: int = 0, rounds: int = 1):
+         max_model_len: int = 1024, shared_prefix: int = 0, rounds: int = 1, options: tuple | None = None):
     import tempfile
     cfg = json.loads(cfg_json)
     ps = prompts(n, lengths=(70, 130, 45, 100))
+    if options:
+        ps = [ps[i % n] for i in range(len(options))]
     if shared_prefix:
         ps = [ps[0][:shared_prefix] + p for p in ps]
     return run(str(model_path("tiny-llama")), cfg, ps, max_tokens=max_tokens, dtype=dtype,
                trace_dir=tempfile.mkdtemp(), kv_bytes=kv_bytes, max_model_len=max_model_len, rounds=rounds,
-               enable_prefix_caching=bool(shared_prefix))
+               enable_prefix_caching=bool(shared_prefix),
+               options=[json.loads(o) if o else None for o in options] if options else None)
 
 
 def engine(cfg: dict | None, **kw):
     return _run(json.dumps(cfg, sort_keys=True), **kw)
+
+
+def by_policy(r, policy: str):
+    """The slice of a MIXED run that ran ``policy``."""
+    i = POLICIES.index(policy) * 3
+    return type(r)(r.tokens[i:i + 3], r.logprobs[i:i + 3], r.stats, r.trace[i:i + 3], r.metrics)
+
+
+def mixed(mode: str = "vtoken"):
+    return engine({"mode": mode, "policy": "h2o", **EVICT}, options=MIXED)
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,9 +110,10 @@ def test_relocating_every_token_is_bit_identical_to_stock(dtype):
 
 
 # ------------------------------------------------------------------ exactness
-@pytest.mark.parametrize("policy", ["random", "h2o", "scissorhands"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_outputs_equal_a_masked_reference(policy):
-    r = engine({"mode": "vtoken", "policy": policy, **EVICT})
+    """Requests 3-8 choose their policy per request (SamplingParams.extra_args) on an h2o engine."""
+    r = by_policy(mixed(), policy)
     assert all(len(t["evicted_positions"]) > 20 for t in r.trace)
     check_exact(r)
     changed = [np.mean(np.array(a) != np.array(b)) for a, b in zip(r.tokens, engine(None).tokens)]
@@ -104,9 +121,21 @@ def test_outputs_equal_a_masked_reference(policy):
 
 
 def test_attention_policies_decide_differently_from_random():
-    evicted = {p: [t["evicted_positions"] for t in engine({"mode": "vtoken", "policy": p, **EVICT}).trace]
-               for p in ("random", "h2o", "scissorhands")}
+    evicted = {p: [t["evicted_positions"] for t in by_policy(mixed(), p).trace] for p in POLICIES}
     assert evicted["h2o"] != evicted["random"] and evicted["scissorhands"] != evicted["random"]
+    assert evicted["h2o"] != evicted["scissorhands"]
+
+
+def test_request_options_are_checked():
+    from vtoken.vllm_adapter import request_args
+
+    assert request_args(policy="random", budget=0.25) == {"vtoken": {"policy": "random", "budget": 0.25}}
+    with pytest.raises(ValueError, match="not per-request"):
+        request_args(mode="off")
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        request_args(policy="lru")
+    with pytest.raises(ValueError, match="does not collect"):
+        VTokenConfig(policy="random").for_request({"policy": "h2o"})
 
 
 @pytest.mark.parametrize("fault", ["skip_moves", "physical_rope"])
@@ -130,8 +159,7 @@ def test_prefix_caching_shares_blocks_safely():
 
 # ------------------------------------------------------------------ Naive-Evict pair
 def test_naive_and_vtoken_make_the_same_decisions_and_outputs():
-    vt = engine({"mode": "vtoken", "policy": "h2o", **EVICT})
-    nv = engine({"mode": "naive", "policy": "h2o", **EVICT})
+    vt, nv = mixed("vtoken"), mixed("naive")
     assert vt.tokens == nv.tokens
     assert [t["evicted_positions"] for t in vt.trace] == [t["evicted_positions"] for t in nv.trace]
     for a, b in zip(vt.logprobs, nv.logprobs):
@@ -139,10 +167,11 @@ def test_naive_and_vtoken_make_the_same_decisions_and_outputs():
 
 
 def test_vtoken_retains_the_floor_and_naive_never_fewer():
-    vt = engine({"mode": "vtoken", "policy": "h2o", **EVICT}).stats["finished_requests"]
-    nv = engine({"mode": "naive", "policy": "h2o", **EVICT}).stats["finished_requests"]
-    assert len(vt) == len(nv) == 3
-    for a, b in zip(sorted(vt, key=lambda r: r["logical_tokens"]), sorted(nv, key=lambda r: r["logical_tokens"])):
+    vt = mixed("vtoken").stats["finished_requests"]
+    nv = mixed("naive").stats["finished_requests"]
+    assert len(vt) == len(nv) == 9
+    order = lambda r: int(r["request_id"].rsplit("-", 1)[0])  # noqa: E731 - "<LLM's id>-<engine suffix>"
+    for a, b in zip(sorted(vt, key=order), sorted(nv, key=order)):
         floor = math.ceil(a["live_tokens"] / 32)
         assert floor <= a["retained_blocks"] <= floor + 1  # + the block being filled
         assert b["retained_blocks"] >= a["retained_blocks"]

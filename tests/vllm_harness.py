@@ -26,11 +26,12 @@ def prompts(n: int = 3, lengths=(70, 130, 45), seed: int = 0, vocab: int = 49000
 
 def run(model: str, vtoken: dict | None, token_prompts: list[list[int]], max_tokens: int = 48,
         dtype: str = "float32", trace_dir: Path | None = None, kv_bytes: int = 64 << 20,
-        max_model_len: int = 1024, rounds: int = 1, **kwargs) -> Run:
+        max_model_len: int = 1024, rounds: int = 1, options: list[dict | None] | None = None, **kwargs) -> Run:
+    """``options[i]``: request i's own vToken policy options (SamplingParams.extra_args), or None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats
+    from vtoken.vllm_adapter import VTokenConfig, make_llm, request_args, vtoken_stats
 
     cfg = dict(vtoken or {"mode": "off"})
     trace_path = None
@@ -41,9 +42,11 @@ def run(model: str, vtoken: dict | None, token_prompts: list[list[int]], max_tok
                    kv_cache_memory_bytes=kv_bytes, seed=0, skip_tokenizer_init=True, disable_log_stats=False,
                    enforce_eager=True, **kwargs)
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+        options = options or [None] * len(token_prompts)
+        sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
+                              extra_args=request_args(**o) if o else None) for o in options]
         outs = [o for _ in range(rounds)
-                for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sp, use_tqdm=False)]
+                for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sps, use_tqdm=False)]
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         lps = [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                for o in outs]

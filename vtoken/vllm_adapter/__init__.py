@@ -8,7 +8,7 @@
   worker.py        worker classes vLLM loads by name
 """
 
-from vtoken.vllm_adapter.config import VTokenConfig
+from vtoken.vllm_adapter.config import VTokenConfig, request_args
 from vtoken.vllm_adapter.engine import engine_kwargs, make_async_llm, make_llm, vtoken_stats, vtoken_stats_async
 
-__all__ = ["VTokenConfig", "engine_kwargs", "make_async_llm", "make_llm", "vtoken_stats", "vtoken_stats_async"]
+__all__ = ["VTokenConfig", "request_args", "engine_kwargs", "make_async_llm", "make_llm", "vtoken_stats", "vtoken_stats_async"]

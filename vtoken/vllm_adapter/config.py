@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from vtoken.policies import EvictionPolicy, make_policy
 
 CONFIG_KEY = "vtoken"
+# What one request may choose for itself, in ``SamplingParams(extra_args={"vtoken": {...}})``.
+REQUEST_KEYS = frozenset({"policy", "budget", "interval", "sink", "recent", "seed", "policy_params"})
 
 
 class VTokenConfig(BaseModel):
@@ -30,11 +32,14 @@ class VTokenConfig(BaseModel):
                                           description="extra policy parameters, e.g. {'history': 32}")
     trace_path: str | None = Field(None, description="append one JSON line per finished request: prompt and "
                                    "output token ids and the decode step at which each evicted token died")
+    collect_scores: bool = Field(False, description="collect attention statistics even when the engine's "
+                                 "policy needs none, so that single requests may choose h2o or scissorhands")
     relocate_every: int = Field(0, ge=0, description="testing: every N decode steps move every request's KV "
                                 "into fresh blocks (same slot order); outputs must not change. 0 = never")
-    fault: Literal["skip_moves", "physical_rope"] | None = Field(
+    fault: Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only"] | None = Field(
         None, description="testing only, negative controls: skip the KV copies, or feed physical positions to "
-        "RoPE; both must break exactness")
+        "RoPE; both must break exactness. Tensor parallelism: TP rank 1 raises while applying a plan (the "
+        "engine must stop), or attention statistics from rank 0's heads only (H2O's decisions must change)")
 
     @field_validator("policy")
     @classmethod
@@ -48,6 +53,22 @@ class VTokenConfig(BaseModel):
         return make_policy(self.policy, budget=self.budget, interval=self.interval, sink=self.sink,
                            recent=self.recent, seed=self.seed, **self.policy_params)
 
+    def for_request(self, overrides: dict[str, Any] | None) -> "VTokenConfig":
+        """This config with one request's choices applied (see ``request_args``); raises ValueError."""
+        if not overrides:
+            return self
+        unknown = set(overrides) - REQUEST_KEYS
+        if unknown:
+            raise ValueError(f"vtoken request options {sorted(unknown)} are not per-request; "
+                             f"a request may set {sorted(REQUEST_KEYS)}")
+        cfg = self.model_copy(update=dict(overrides))
+        cfg = VTokenConfig(**cfg.model_dump())  # model_copy does not validate
+        needs = set(cfg.make_policy().needs)
+        if needs and not (self.collect_scores or self.make_policy().needs):
+            raise ValueError(f"policy {cfg.policy!r} needs attention statistics this engine does not collect; "
+                             "start it with collect_scores=True or an attention policy")
+        return cfg
+
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
@@ -60,3 +81,10 @@ class VTokenConfig(BaseModel):
 
     def model_post_init(self, _ctx: Any) -> None:
         self.make_policy()  # validate the policy parameters now, in the user's process
+
+
+def request_args(**overrides: Any) -> dict[str, Any]:
+    """``SamplingParams(extra_args=request_args(policy="h2o", budget=0.25))``: one request's own policy and
+    budget. Checked here against the defaults; the engine checks again against its own config."""
+    VTokenConfig(collect_scores=True).for_request(overrides)
+    return {CONFIG_KEY: dict(overrides)}

@@ -18,6 +18,7 @@ from vtoken.mover import make_mover
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.config import VTokenConfig
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
+from vtoken.vllm_adapter.tp import TensorParallel
 
 
 class VTokenRunnerMixin:
@@ -27,11 +28,12 @@ class VTokenRunnerMixin:
         self.vt = VTokenConfig.from_vllm(self.vllm_config)
         self.vt_policy = self.vt.make_policy()
         self.vt_gaps: dict[str, int] = {}
-        self.vt_want: frozenset[str] = frozenset()
+        self.vt_want: dict[str, tuple[str, ...]] = {}
         self.vt_mover = None
         self.vt_scorer: scores_mod.AttentionScorer | None = None
         self.vt_move_seconds = 0.0
         self.vt_bytes_moved = 0
+        self.vt_tp = TensorParallel.current(self.vt.fault)  # a world of one without tensor parallelism
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         """Mirror of GPUModelRunner.initialize_kv_cache: then build the mover and the scorer."""
@@ -40,9 +42,9 @@ class VTokenRunnerMixin:
         bs = spec.block_size
         layout = "cpu" if self.device.type == "cpu" else "flash"
         self.vt_mover = make_mover(self.device, bs, layout)
-        if self.vt_policy.needs:
+        if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
-            self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device)
+            self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
             scores_mod.install(self.compilation_config.static_forward_context, self.vt_scorer)
         return out
 
@@ -51,7 +53,8 @@ class VTokenRunnerMixin:
         """Mirror of GPUModelRunner.execute_model: apply the step's vToken data first."""
         step: VTokenStep | None = getattr(scheduler_output, "vtoken", None)
         if step is not None:
-            self._vt_apply(step, scheduler_output)
+            with self.vt_tp.applying(step):  # TP: every rank applied the plan, or every rank raises
+                self._vt_apply(step, scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _vt_apply(self, step: VTokenStep, so) -> None:
@@ -123,7 +126,7 @@ class VTokenRunnerMixin:
                     rid = self.input_batch.req_ids[row]
                     if rid in self.vt_want and rid in self.requests:
                         vt.stats[rid] = scorer.export(self.requests[rid].block_ids[0], int(seq_len),
-                                                      self.vt_policy.needs)
+                                                      self.vt_want[rid])
         target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
         if target is not None:
             target.vtoken = vt

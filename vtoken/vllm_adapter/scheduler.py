@@ -19,6 +19,7 @@ Everything here touches vLLM private internals of 0.32.0 only; each override nam
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -32,9 +33,11 @@ from vtoken.planner import plan_compaction, protected_prefix, to_global_slots
 from vtoken.policies import PolicyInput
 from vtoken.replay import request_seed
 from vtoken.token_table import TokenTable
-from vtoken.vllm_adapter.config import VTokenConfig
+from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.stats import EngineTotals, RequestRecord
+
+logger = logging.getLogger(__name__)
 
 
 class VTokenScheduler(Scheduler):
@@ -42,6 +45,8 @@ class VTokenScheduler(Scheduler):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.vt = VTokenConfig.from_vllm(vllm_config)
         self.vt_policy = self.vt.make_policy()
+        self.vt_policies: dict[str, Any] = {"": self.vt_policy}  # request options (JSON) -> policy
+        self.vt_req_policy: dict[str, Any] = {}
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
             raise ValueError("vToken supports models with one full-attention KV cache group; this model has "
@@ -102,14 +107,14 @@ class VTokenScheduler(Scheduler):
         return out
 
     def _evict_and_compact(self) -> VTokenStep:
-        moves, keep, gaps, want, relocate = [], {}, {}, set(), {}
-        policy = self.vt_policy
+        moves, keep, gaps, want, relocate = [], {}, {}, {}, {}
         for request in self.running:
             rid = request.request_id
             table = self.vt_tables.get(rid)
             if table is None:
                 table = self.vt_tables[rid] = TokenTable(self.vt_bs)
-                self.vt_records[rid] = RequestRecord(rid, request_seed(rid))
+                self.vt_records[rid] = RequestRecord(rid, request_seed(_external_id(rid)))
+            policy = self.vt_req_policy.get(rid) or self._policy_for(request)
             new = request.num_computed_tokens - table.num_logical
             if new < 0:
                 raise RuntimeError(f"vtoken: request {rid} has {request.num_computed_tokens} computed tokens but "
@@ -121,7 +126,7 @@ class VTokenScheduler(Scheduler):
             step = request.num_output_tokens
             stats = self.vt_stats_in.pop(rid, None)
             if (step + 1) % policy.interval == 0 and policy.needs:
-                want.add(rid)
+                want[rid] = policy.needs
             if self.vt.relocate_every and step % self.vt.relocate_every == 0:
                 # alone in its step: compaction moves computed against the new blocks would otherwise be
                 # gathered before the relocation wrote them
@@ -146,7 +151,25 @@ class VTokenScheduler(Scheduler):
         self._observe()
         batch = MoveBatch.concat(moves)
         self.vt_totals.tokens_moved += len(batch)
-        return VTokenStep(batch, keep, gaps, frozenset(want), relocate)
+        return VTokenStep(batch, keep, gaps, want, relocate)
+
+    def _policy_for(self, request):
+        """The request's own policy (``SamplingParams.extra_args["vtoken"]``, see config.request_args) or
+        the engine's. Clients validate with request_args; an option this engine cannot honour is logged and
+        the engine's policy used, because an exception here would stop the engine for every request."""
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        options = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+        key = json.dumps(options, sort_keys=True) if options else ""
+        policy = self.vt_policies.get(key)
+        if policy is None:
+            try:
+                policy = self.vt.for_request(options).make_policy()
+            except (ValueError, TypeError) as e:
+                logger.error("vtoken: request %s: %s; using the engine's policy", request.request_id, e)
+                policy = self.vt_policy
+            self.vt_policies[key] = policy
+        self.vt_req_policy[request.request_id] = policy
+        return policy
 
     def _select(self, table: TokenTable, step: int, stats, rid: str, policy) -> np.ndarray:
         live = table.live_logical()
@@ -270,6 +293,7 @@ class VTokenScheduler(Scheduler):
             self.vt_pool.free_blocks(reversed(ballast))
         self.vt_stats_in.pop(rid, None)
         self.vt_gap_sent.pop(rid, None)
+        self.vt_req_policy.pop(rid, None)
         self.vt_dirty.discard(rid)  # preemption recomputes every token: cacheable again
         super()._free_request_blocks(request)
 
@@ -294,6 +318,14 @@ class VTokenScheduler(Scheduler):
                 "free_blocks": self.vt_pool.get_num_free_blocks(), "total_blocks": self.vt_pool.num_gpu_blocks - 1,
                 "kv_cache_usage": self.vt_pool.get_usage(), "running": len(self.running),
                 "waiting": len(self.waiting), "requests": reqs, **self.vt_totals.summary(reqs, self.vt_bs)}
+
+
+def _external_id(rid: str) -> str:
+    """The caller's request id: vllm/v1/engine/input_processor.py InputProcessor.assign_request_id appends
+    "-" and 8 random characters. Randomised policies seed from the caller's id, so that reruns, naive and
+    vtoken, and every TP rank reach the same decisions."""
+    head, _, tail = rid.rpartition("-")
+    return head if head and len(tail) == 8 else rid
 
 
 def _install_engine_core_utility() -> None:
