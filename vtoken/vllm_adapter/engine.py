@@ -24,6 +24,15 @@ REFUSED = {
     "async_scheduling": (lambda v: bool(v),
                          "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps"),
     "pipeline_parallel_size": (lambda v: (v or 1) > 1, "pipeline parallelism is not supported with vToken"),
+    # Tensor parallelism is supported (tp.py): one scheduler decides, every rank moves its own heads' slice.
+    # These split a request's TOKENS across ranks, or give every rank its own scheduler, which breaks that.
+    "decode_context_parallel_size": (lambda v: (v or 1) > 1,
+                                     "context parallelism splits a request's tokens across ranks"),
+    "prefill_context_parallel_size": (lambda v: (v or 1) > 1,
+                                      "context parallelism splits a request's tokens across ranks"),
+    "distributed_executor_backend": (lambda v: v == "external_launcher",
+                                     "every rank would run its own scheduler and make its own eviction "
+                                     "decisions; vToken makes one decision per request for all ranks"),
 }
 
 

@@ -10,6 +10,10 @@ from the KV cache and summed over heads into ``step_w``. At the end of the step 
 
 Both live in global-slot tensors that the mover moves with their tokens, and are zeroed when a slot gets
 a new token. Nothing leaves the device unless the scheduler asks for a request's statistics.
+
+With tensor parallelism each rank sees only its own heads: before folding, the step's weights over the
+decode slots are summed across the TP group (``tp.TensorParallel.sum_scores``), and the uniform share is
+taken over the GLOBAL head count, so every rank folds the same numbers a single GPU would.
 """
 
 from __future__ import annotations
@@ -20,17 +24,20 @@ import torch
 from vtoken.mover import LAYOUTS
 from vtoken.planner import to_global_slots
 from vtoken.policies import ATTN_HIST, ATTN_SUM
+from vtoken.vllm_adapter.tp import TensorParallel
 
 
 class AttentionScorer:
-    def __init__(self, num_slots: int, block_size: int, layout: str, device: torch.device) -> None:
+    def __init__(self, num_slots: int, block_size: int, layout: str, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
         self.block_size, self.layout = block_size, layout
+        self.tp = tp or TensorParallel()
         self.acc = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.hist = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.step_w = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self._step: tuple | None = None  # (rows, lens, slots, req_of) of this step's decode requests
         self._layers = 0
-        self._heads = 1
+        self._heads = 1  # query heads on this rank
         self.rows: np.ndarray = np.empty(0, np.int64)
         self.lens: np.ndarray = np.empty(0, np.int64)
 
@@ -84,9 +91,9 @@ class AttentionScorer:
         """Fold this step's attention into the running statistics."""
         if self._step:
             rows, lens, slots, req_of, _ = self._step
-            w = self.step_w[slots]
+            w = self.tp.sum_scores(self.step_w[slots])  # this rank's heads -> all heads
             self.acc[slots] += w
-            share = w / max(self._layers * self._heads, 1)
+            share = w / max(self._layers * self._heads * self.tp.world, 1)
             hot = (share > 1.0 / lens[req_of].float()).long()
             self.hist[slots] = (self.hist[slots] << 1) | hot
             self.step_w[slots] = 0

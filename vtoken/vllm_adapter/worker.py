@@ -8,7 +8,24 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vtoken.vllm_adapter.model_runner import runner_cls
 
 
-class VTokenCPUWorker(CPUWorker):
+class VTokenWorkerRPC:
+    """Methods reached through ``LLM.collective_rpc(name)`` on every worker (tensor-parallel ranks)."""
+
+    def vtoken_tp_stats(self) -> dict:
+        """This rank's cost of the cross-rank exchanges (see tp.ExchangeStats)."""
+        tp = self.model_runner.vt_tp
+        return {"rank": tp.rank, "world": tp.world, "backend": tp.backend, **tp.stats.summary()}
+
+    def vtoken_set_fault(self, fault: str | None) -> None:
+        """Testing: switch a tensor-parallel fault (tp.FAULTS) on a running engine, saving an engine start."""
+        from vtoken.vllm_adapter.tp import FAULTS
+
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown tensor-parallel fault {fault!r}; known: {FAULTS}")
+        self.model_runner.vt_tp.fault = fault
+
+
+class VTokenCPUWorker(VTokenWorkerRPC, CPUWorker):
     """Mirror of vllm/v1/worker/cpu_worker.py CPUWorker.init_device, which builds its CPUModelRunner inline:
     we let it, then replace the (not yet loaded) runner with vToken's subclass."""
 
@@ -25,7 +42,7 @@ def _gpu_worker_cls():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    class VTokenGPUWorker(Worker):
+    class VTokenGPUWorker(VTokenWorkerRPC, Worker):
         """Mirror of vllm/v1/worker/gpu_worker.py Worker._make_model_runner (meant for subclasses)."""
 
         def _make_model_runner(self, *args, **kwargs):

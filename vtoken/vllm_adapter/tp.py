@@ -1,0 +1,147 @@
+"""Tensor parallelism: one eviction decision, every rank compacts its own heads.
+
+With TP every rank holds a slice of the heads of the SAME blocks, so the scheduler's one compaction plan
+(``VTokenStep``, broadcast to every worker by vLLM) is correct on every rank as it stands. Two things must
+agree across ranks, and this module is where they are made to:
+
+  * the attention statistics: each rank sees only its own heads' attention, so the per-slot weights of a
+    step are summed over the TP group (one all-reduce of ``4 * sum(seq_len of decode requests)`` bytes)
+    before they are folded into ``attn_sum`` / ``attn_hist``; every rank then holds the same statistics.
+    The exchange runs only when a scorer exists (the policy needs scores) and a request decodes.
+  * the application of a plan: after applying a step's moves every rank reports ok / failed to the others
+    (an all-gather of one int32 per rank over the group's CPU side). If any rank failed, EVERY rank raises
+    the same error, so vLLM's executor sees the output rank fail and the engine stops, instead of ranks
+    continuing with divergent KV, or rank 0 waiting forever in the forward's all-reduce for a rank that
+    left (vLLM's worker loop logs a non-output rank's exception and carries on).
+
+We use vLLM's own TP group (``vllm.distributed.parallel_state.get_tp_group()``): NCCL (or vLLM's custom
+all-reduce) for the device tensor on CUDA, vLLM's CPU communicator (shared memory, or gloo) on CPU, and the
+group's gloo ``cpu_group`` for the status flags, which never touch the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+FAULTS = ("fail_rank1_moves", "scores_rank0_only")
+
+
+class PlanFailedError(RuntimeError):
+    """A tensor-parallel rank could not apply a compaction plan; the engine must stop."""
+
+
+@dataclass
+class ExchangeStats:
+    """What the cross-rank exchanges cost on this rank (host time; on CUDA the all-reduce is timed to the
+    end of the collective, because the statistics are read right after it)."""
+
+    score_steps: int = 0
+    score_bytes: int = 0       # all-reduce payload: 4 bytes per decode slot per step
+    score_seconds: float = 0.0
+    check_steps: int = 0
+    check_bytes: int = 0       # status all-gather payload: 4 bytes per rank per step with a plan
+    check_seconds: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        per = lambda x, n: x / n if n else 0.0  # noqa: E731
+        return {**self.__dict__, "score_bytes_per_step": per(self.score_bytes, self.score_steps),
+                "score_us_per_step": 1e6 * per(self.score_seconds, self.score_steps),
+                "check_us_per_step": 1e6 * per(self.check_seconds, self.check_steps)}
+
+
+class TensorParallel:
+    """This worker's view of its TP group, for vToken. ``world == 1`` makes every method a no-op.
+
+    Invariant: every rank calls ``sum_scores`` and ``applying`` in the same order with the same arguments'
+    shapes, because every rank runs the same steps with the same ``VTokenStep``; that is what keeps the
+    collectives matched.
+    """
+
+    def __init__(self, group=None, fault: str | None = None) -> None:
+        self.group = group
+        self.world = group.world_size if group is not None else 1
+        self.rank = group.rank_in_group if group is not None else 0
+        self.fault = fault
+        self.step = 0
+        self.stats = ExchangeStats()
+
+    @classmethod
+    def current(cls, fault: str | None = None) -> "TensorParallel":
+        """vLLM's TP group of this worker process (absent outside a vLLM worker: a world of one)."""
+        from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+        group = get_tp_group() if model_parallel_is_initialized() else None
+        return cls(group if group is not None and group.world_size > 1 else None, fault)
+
+    @property
+    def backend(self) -> str:
+        """What carries the device-side all-reduce: nccl on CUDA, gloo under vLLM's CPU communicator."""
+        if self.group is None:
+            return "none"
+        import torch.distributed as dist
+
+        comm = type(getattr(self.group, "device_communicator", None)).__name__
+        return f"{dist.get_backend(self.group.device_group)} ({comm})"
+
+    # ------------------------------------------------------------ attention statistics
+    def sum_scores(self, w: torch.Tensor) -> torch.Tensor:
+        """Per-slot attention weights of this step's decode slots (this rank's heads) -> all heads."""
+        if self.world == 1 or self.fault == "scores_rank0_only":  # the fault is a negative control
+            return w
+        t0 = time.perf_counter()
+        out = self.group.all_reduce(w.contiguous())
+        if out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.stats.score_seconds += time.perf_counter() - t0
+        self.stats.score_steps += 1
+        self.stats.score_bytes += w.numel() * w.element_size()
+        return out
+
+    # ------------------------------------------------------------ plan application
+    @contextlib.contextmanager
+    def applying(self, step) -> Iterator[None]:
+        """Wrap the application of one ``VTokenStep``: if any rank raises inside, every rank raises
+        ``PlanFailedError`` naming the failed rank(s), the step and its requests."""
+        self.step += 1
+        has_plan = bool(len(step.moves) or step.keep_blocks or step.replace_blocks)
+        if self.world == 1 or not has_plan:
+            yield
+            return
+        error: BaseException | None = None
+        try:
+            if self.fault == "fail_rank1_moves" and self.rank == 1:
+                raise RuntimeError("injected fault (VTokenConfig.fault='fail_rank1_moves')")
+            yield
+        except Exception as e:  # reported to every rank below, then raised everywhere
+            error = e
+        if not self._gather_status(error is not None):
+            return
+        import torch.distributed as dist
+
+        # Failure path only: every rank learns every rank's error, so the output rank's message names it.
+        errors: list = [None] * self.world
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
+                               group=self.group.cpu_group)
+        why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        reqs = sorted(set(step.keep_blocks) | set(step.replace_blocks))
+        raise PlanFailedError(
+            f"vToken: tensor-parallel rank(s) {[r for r, e in enumerate(errors) if e]} failed to apply the "
+            f"compaction plan of step {self.step} ({len(step.moves)} moves, requests {reqs}) ({why}). "
+            "Stopping the engine rather than serving divergent KV caches.") from error
+
+    def _gather_status(self, failed: bool) -> list[int]:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        mine = torch.tensor([int(failed)], dtype=torch.int32)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group.cpu_group)
+        self.stats.check_seconds += time.perf_counter() - t0
+        self.stats.check_steps += 1
+        self.stats.check_bytes += 4 * self.world
+        return [r for r, t in enumerate(every) if int(t)]
