@@ -75,6 +75,8 @@ class Controller:
         self._loop = asyncio.ensure_future(self._monitor())
         t_end = time.monotonic() + timeout_s
         while self._count("healthy") < self.target and time.monotonic() < t_end:
+            if self._count("failed"):
+                raise RuntimeError(next(st.report["error"] for st in self.replicas.values() if st.state == "failed"))
             await asyncio.sleep(0.2)
         return self._count("healthy")
 
@@ -116,6 +118,10 @@ class Controller:
                 ray.kill(st.handle, no_restart=True)
                 self.replicas.pop(st.name, None)
                 self._create(died_at=st.died_at or time.monotonic())
+                return
+            except Exception as e:  # the engine itself failed to start (bad model, too small a pool)
+                log.error("replica %s failed to start its engine: %s", st.name, e)
+                st.state, st.report = "failed", {"error": str(e)[-500:]}
                 return
 
     async def _drain(self, st: ReplicaState, timeout_s: float = 60) -> dict[str, Any] | None:

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--deadline", type=float, default=12.0)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--kv-bytes", type=int, default=4 << 20)
+    ap.add_argument("--kv-bytes", type=int, default=3 << 20)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     cfg = parse_config({"name": "goodput", "model": args.model, "replicas": 2,
