@@ -28,10 +28,19 @@ def real_text(min_chars: int = 20000) -> str:
             total += len(text)
             if total >= min_chars:
                 break
+    if total < min_chars:
+        parts.append(python_docs())  # CPython's own reference text (pydoc_data), ~700K characters
     if not parts:
         raise FileNotFoundError("no real text found on this machine (looked for " +
                                 ", ".join(str(p) for p in CANDIDATES) + ")")
     return "\n\n".join(parts)
+
+
+def python_docs() -> str:
+    """The Python reference's topic pages, as shipped with CPython for ``help()``: human-written English."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def passages(n: int, chars: int, min_chars: int = 20000) -> list[str]:

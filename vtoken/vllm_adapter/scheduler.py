@@ -115,6 +115,8 @@ class VTokenScheduler(Scheduler):
                 table = self.vt_tables[rid] = TokenTable(self.vt_bs)
                 self.vt_records[rid] = RequestRecord(rid, request_seed(_external_id(rid)))
             policy = self.vt_req_policy.get(rid) or self._policy_for(request)
+            record = self.vt_records[rid]
+            record.policy, record.budget = policy.name, policy.budget
             new = request.num_computed_tokens - table.num_logical
             if new < 0:
                 raise RuntimeError(f"vtoken: request {rid} has {request.num_computed_tokens} computed tokens but "
@@ -236,13 +238,15 @@ class VTokenScheduler(Scheduler):
 
     def _observe(self) -> None:
         """Per decode step: what each request holds now, and what Naive-Evict would hold."""
+        self.vt_totals.peak_running = max(self.vt_totals.peak_running, len(self.running))
         for request in self.running:
             rid = request.request_id
             table = self.vt_tables.get(rid)
             if table is None or request.num_output_tokens == 0:
                 continue
             held = len(self.vt_manager.req_to_blocks.get(rid, [])) + len(self.vt_ballast.get(rid, []))
-            self.vt_records[rid].observe(held, naive_retained_blocks(table.live_mask(), self.vt_bs))
+            self.vt_records[rid].observe(held, naive_retained_blocks(table.live_mask(), self.vt_bs),
+                                         floor_blocks(table.num_live, self.vt_bs))
 
     def _settle_ballast(self) -> None:
         """Naive mode: hold exactly the blocks Naive-Evict would hold, beyond what the packed layout needs.
@@ -308,16 +312,21 @@ class VTokenScheduler(Scheduler):
                 f.write(json.dumps(line) + "\n")
 
     # ---------------------------------------------------------------- observability
-    def vtoken_stats(self) -> dict[str, Any]:
-        """Per-request and per-engine figures (see vtoken/vllm_adapter/stats.py for the definitions)."""
+    def vtoken_stats(self, reset: bool = False) -> dict[str, Any]:
+        """Per-request and per-engine figures (see vtoken/vllm_adapter/stats.py for the definitions).
+        ``reset``: afterwards start peak_running and the finished-request list afresh (benchmarks)."""
         reqs = {}
         for rid, table in self.vt_tables.items():
             n_blocks = len(self.vt_manager.req_to_blocks.get(rid, []))
             reqs[rid] = self.vt_records[rid].snapshot(table, n_blocks, len(self.vt_ballast.get(rid, [])))
-        return {"mode": self.vt.mode, "policy": self.vt.policy, "block_size": self.vt_bs,
+        out = {"mode": self.vt.mode, "policy": self.vt.policy, "block_size": self.vt_bs,
                 "free_blocks": self.vt_pool.get_num_free_blocks(), "total_blocks": self.vt_pool.num_gpu_blocks - 1,
                 "kv_cache_usage": self.vt_pool.get_usage(), "running": len(self.running),
                 "waiting": len(self.waiting), "requests": reqs, **self.vt_totals.summary(reqs, self.vt_bs)}
+        if reset:
+            self.vt_totals.peak_running = len(self.running)
+            self.vt_totals.finished.clear()
+        return out
 
 
 def _external_id(rid: str) -> str:
@@ -334,9 +343,9 @@ def _install_engine_core_utility() -> None:
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, "vtoken_stats"):
-        def vtoken_stats(self) -> dict[str, Any]:
+        def vtoken_stats(self, reset: bool = False) -> dict[str, Any]:
             fn = getattr(self.scheduler, "vtoken_stats", None)
-            return fn() if fn else {"mode": "off"}
+            return fn(reset) if fn else {"mode": "off"}
         EngineCore.vtoken_stats = vtoken_stats
 
 

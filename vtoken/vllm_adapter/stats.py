@@ -28,6 +28,9 @@ class RequestRecord:
     steps: int = 0
     sum_retained: int = 0
     sum_naive: int = 0
+    sum_floor: int = 0
+    policy: str = ""
+    budget: float = 0.0
     peak_retained: int = 0
     peak_naive: int = 0
     final: dict[str, Any] | None = None
@@ -36,10 +39,11 @@ class RequestRecord:
         self.died_pos.append(np.asarray(logical, dtype=np.int64))
         self.died_step.append(np.full(len(logical), step, dtype=np.int64))
 
-    def observe(self, retained: int, naive: int) -> None:
+    def observe(self, retained: int, naive: int, floor: int) -> None:
         self.steps += 1
         self.sum_retained += retained
         self.sum_naive += naive
+        self.sum_floor += floor
         self.peak_retained = max(self.peak_retained, retained)
         self.peak_naive = max(self.peak_naive, naive)
 
@@ -50,6 +54,8 @@ class RequestRecord:
                 "floor_blocks": -(-table.num_live // table.block_size), "tokens_moved": self.tokens_moved,
                 "mean_retained_blocks": self.sum_retained / self.steps if self.steps else float(n_blocks),
                 "mean_naive_retained_blocks": self.sum_naive / self.steps if self.steps else float(n_blocks),
+                "mean_floor_blocks": self.sum_floor / self.steps if self.steps else float(n_blocks),
+                "decode_steps": self.steps, "policy": self.policy, "budget": self.budget,
                 "peak_retained_blocks": self.peak_retained, "peak_naive_retained_blocks": self.peak_naive,
                 "metadata_bytes": table.nbytes}
 
@@ -70,6 +76,7 @@ class EngineTotals:
     tokens_moved: int = 0
     blocks_freed: int = 0
     preemptions: int = 0
+    peak_running: int = 0  # most requests running at once since the last reset (vtoken_stats(reset=True))
     finished: list[dict[str, Any]] = field(default_factory=list)
 
     def add_finished(self, record: RequestRecord) -> None:
@@ -85,5 +92,6 @@ class EngineTotals:
                 "compaction_seconds": self.compaction_seconds, "move_seconds": self.move_seconds,
                 "bytes_moved": self.bytes_moved, "tokens_moved": self.tokens_moved,
                 "blocks_freed": self.blocks_freed, "preemptions_seen": self.preemptions,
+                "peak_running": self.peak_running,
                 "fragmentation": 1 - live / (retained * block_size) if retained else 0.0,
                 "finished_requests": list(self.finished)}
