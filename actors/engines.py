@@ -38,7 +38,8 @@ class Chunk(NamedTuple):
 
 class Engine(ABC):
     """Hosts requests. Invariant: once ``generate`` returns or is cancelled, or ``abort`` is called,
-    the request holds no blocks (``stats()['free_blocks']`` goes back up at once)."""
+    the request holds no blocks (``stats()['free_blocks']`` goes back up at once). ``stats()['admitted']``
+    lists (sorted) the caller's ids of the requests whose blocks that same snapshot counts as held."""
 
     @abstractmethod
     def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]: ...
@@ -113,7 +114,7 @@ class FakeEngine(Engine):
                 "kv_cache_usage": held / self.total_blocks, "running": len(self.held),
                 "waiting": len(self.waiting), "live_tokens": sum(self.live.values()),
                 "blocks_reclaimed": int(held * self.reclaim_fraction), "blocks_freed": self.freed,
-                "retained_blocks": held}
+                "retained_blocks": held, "admitted": sorted(self.held)}
 
 
 class VLLMEngine(Engine):
@@ -129,8 +130,17 @@ class VLLMEngine(Engine):
         folder = model if Path(model).is_dir() else str(model_path(model))
         self.vtoken = VTokenConfig(**vtoken)
         self.llm = make_async_llm(folder, self.vtoken, **engine_args)
+        self.live: set[str] = set()  # the caller's ids of requests in generate()
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
+        self.live.add(spec.request_id)
+        try:
+            async for chunk in self._generate(spec):
+                yield chunk
+        finally:
+            self.live.discard(spec.request_id)
+
+    async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -166,7 +176,9 @@ class VLLMEngine(Engine):
         if not self.vtoken.enabled:  # stock vLLM has no vtoken_stats utility: nothing to report
             return {k: 0 for k in REPORT_KEYS}
         s = await vtoken_stats_async(self.llm)
-        return {k: s.get(k, 0) for k in REPORT_KEYS}
+        # vLLM runs a request as "<caller's id>-<8 hex>"; its table exists once it holds blocks.
+        admitted = {rid if rid in self.live else rid.rsplit("-", 1)[0] for rid in s.get("requests", {})}
+        return {**{k: s.get(k, 0) for k in REPORT_KEYS}, "admitted": sorted(admitted)}
 
     async def shutdown(self) -> None:
         self.llm.shutdown()

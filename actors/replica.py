@@ -4,8 +4,10 @@ Lifecycle: the constructor only stores its arguments, so a Ray restart (``max_re
 controller decides when to build the engine: ``start()`` builds it (idempotent; in a thread, so pings keep
 answering during the ~30 s vLLM start) and begins reporting. Reports go to the controller at least every
 ``report_interval_s`` and at once when the pool changes by ``change_fraction`` of its blocks or the
-running/waiting counts change. ``incarnation`` changes with every process, so the controller can tell a
-restarted replica from a late report of the dead one.
+running/waiting counts or the admitted requests change. ``incarnation`` changes with every process, so the controller can tell a
+restarted replica from a late report of the dead one. A report's ``admitted`` lists the requests whose blocks
+its figures count: the controller keeps a request's promise until then, so its blocks are never counted twice
+(promise and ``free_blocks``) nor not at all (promise dropped, figures older than the admission).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Replica:
 
     def _changed(self, r: dict[str, Any]) -> bool:
         last = self._last
-        if not last:
+        if not last or r.get("admitted") != last.get("admitted"):
             return True
         step = max(1, int(self.change_fraction * max(r.get("total_blocks", 0), 1)))
         return (abs(r.get("free_blocks", 0) - last.get("free_blocks", 0)) >= step

@@ -2,10 +2,12 @@
 
     effective free  = sum(free - promised)                    over live replicas
     scale out       : effective free < low_watermark * all blocks, or requests waiting,  for sustain_s
-    scale in        : sum(free - promised + reclaimed) - one replica's blocks
+    scale in        : effective free - one replica's blocks
                       >= scale_in_margin * one replica's blocks, and nothing waiting,    for sustain_s
     never two decisions within cooldown_s; always within [min_replicas, limit]
 
+Blocks vToken reclaims (naive-retained minus retained) are already back in a replica's ``free_blocks``, so
+they are not added again: they are named in the reason only, as the part of the spare capacity vToken made.
 The gap between the two thresholds plus ``sustain_s`` is the hysteresis: a cluster just scaled out has
 at most one replica's worth spare, which is under the scale-in threshold. ``decide`` is pure apart
 from its timers, so tests drive it with scripted reports and a fake clock.
@@ -46,10 +48,10 @@ class Autoscaler:
         per_replica = total / len(replicas)
         eff_free = sum(r.effective_free for r in replicas)
         waiting = sum(r.waiting for r in replicas)
-        spare = eff_free + sum(r.blocks_reclaimed for r in replicas)
+        reclaimed = sum(r.blocks_reclaimed for r in replicas)  # part of eff_free already: explanation only
 
         want_out = eff_free < self.cfg.low_watermark * total or waiting > 0
-        want_in = not want_out and spare - per_replica >= self.cfg.scale_in_margin * per_replica
+        want_in = not want_out and eff_free - per_replica >= self.cfg.scale_in_margin * per_replica
         self.out_since = (self.out_since if self.out_since is not None else now) if want_out else None
         self.in_since = (self.in_since if self.in_since is not None else now) if want_in else None
         if now - self.last_decision < self.cfg.cooldown_s:
@@ -60,8 +62,9 @@ class Autoscaler:
             return self._decided(now, current, current + 1, f"scale out: {why} for {now - self.out_since:.0f}s")
         if want_in and now - self.in_since >= self.cfg.sustain_s and current > self.cfg.min_replicas:
             return self._decided(now, current, current - 1,
-                                 f"scale in: free+reclaimed {spare} blocks exceeds one replica "
-                                 f"({per_replica:.0f}) by {self.cfg.scale_in_margin:.0%} for {now - self.in_since:.0f}s")
+                                 f"scale in: effective free {eff_free} blocks ({reclaimed} of them reclaimed by "
+                                 f"vToken) exceeds one replica ({per_replica:.0f}) by {self.cfg.scale_in_margin:.0%} "
+                                 f"for {now - self.in_since:.0f}s")
         if current > hi:
             return self._decided(now, current, hi, f"scale in: over the limit of {hi} replicas")
         return None

@@ -67,8 +67,8 @@ class AutoscalingConfig(_Strict):
     max_replicas: int = Field(4, ge=1, description="never more replicas (on one machine also: the local CPUs)")
     low_watermark: float = Field(0.15, gt=0, lt=1, description="scale out when effective free capacity stays "
                                  "under this fraction of all blocks")
-    scale_in_margin: float = Field(0.25, ge=0, description="scale in when free + reclaimed exceeds one replica's "
-                                   "blocks by this fraction of it (hysteresis between the two thresholds)")
+    scale_in_margin: float = Field(0.25, ge=0, description="scale in when effective free capacity exceeds one "
+                                   "replica's blocks by this fraction of it (hysteresis between the two thresholds)")
     sustain_s: float = Field(5.0, ge=0, description="a condition must hold this long before acting")
     cooldown_s: float = Field(30.0, ge=0, description="at least this long between two scaling decisions")
     request_resources: Literal["auto", "always", "never"] = Field(

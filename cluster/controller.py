@@ -5,8 +5,10 @@ Replica states: starting -> healthy -> (dead -> starting -> healthy)* -> drainin
   * dead: a call failed (the gateway says so) or no report for ``dead_after_s``. Ray restarts the process
     (``max_restarts``) and the controller calls ``start()`` again; if Ray gave up, a new actor replaces it.
   * draining: scale-in; takes no new requests, is killed once its in-flight requests are done.
-Promises: a request placed on a replica counts its estimated blocks against it until its first token
-(from then on its blocks are in the replica's own ``free_blocks``) or its end.
+Promises: a request placed on a replica counts its estimated blocks against it until a report of that replica
+lists it as admitted (that report's ``free_blocks`` counts its blocks) or until the request ends, whichever
+is first. Dropping it at the first token instead would count its blocks twice while they are allocated but
+unreported (prefill), or not at all when the report is older than the admission.
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ class Controller:
             return
         if st.report.get("incarnation") != r.get("incarnation"):  # a new process: old promises are void
             self.promises = {k: v for k, v in self.promises.items() if v[0] != name}
+        for rid in r.get("admitted", ()):
+            if self.promises.get(rid, ("",))[0] == name:
+                del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
         if st.state in ("starting", "dead") and r.get("healthy"):
             st.state = "healthy"
@@ -242,7 +247,8 @@ class Controller:
         self.cfg = self.cfg.model_copy(update={"placement": self.cfg.placement.model_copy(
             update={"strategy": strategy})})
 
-    async def started(self, request_id: str) -> None:
+    async def finished(self, request_id: str) -> None:
+        """The request is over (done, failed or cancelled): whatever it held is free or will be reported so."""
         self.promises.pop(request_id, None)
 
     async def status(self) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class Gateway:
                 yield msg
         finally:
             self.inflight -= 1
-            self.controller.started.remote(req.request_id)  # release the promise whatever happened
+            self.controller.finished.remote(req.request_id)  # release the promise whatever happened
 
     async def _serve(self, req, context) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
@@ -138,8 +138,6 @@ class Gateway:
                         if chunk.error.startswith("unavailable") and not streamed:
                             break  # draining or restarting: place it again
                         await context.abort(Code.INVALID_ARGUMENT, chunk.error)
-                    if not streamed:
-                        self.controller.started.remote(req.request_id)
                     streamed += 1
                     done = chunk.finished
                     yield pb.GenerateResponse(request_id=req.request_id, replica=name, text=chunk.text,

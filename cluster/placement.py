@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple
 
 
 class ReplicaView(NamedTuple):
-    """What placement knows of a replica. ``promised`` counts blocks of requests placed there that have not
-    started yet (their blocks are not in ``free_blocks`` yet); ``effective_free`` subtracts them."""
+    """What placement knows of a replica. ``promised`` counts blocks of requests placed there that its last
+    report does not count yet (not admitted when its figures were read); ``effective_free`` subtracts them."""
     name: str
     free_blocks: int
     total_blocks: int

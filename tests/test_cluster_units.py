@@ -109,16 +109,16 @@ def test_autoscaler_counts_promised_blocks_and_waiting_requests_as_demand():
     assert "waiting" in b.decide(3, waiting, 2).reason
 
 
-def test_autoscaler_scales_in_on_free_plus_reclaimed_with_hysteresis():
+def test_autoscaler_scales_in_on_effective_free_with_hysteresis_and_never_adds_reclaimed_twice():
     a = scaler()
-    # free 55+60 = 115: one replica (100) + 15 spare < 25% margin; reclaimed 20 tips it over
-    no = [rep("a", 55), rep("b", 60)]
-    yes = [rep("a", 55, reclaimed=10), rep("b", 60, reclaimed=10)]
+    # free 55+60 = 115: one replica (100) + 15 spare < 25% margin, however much of it vToken reclaimed
+    no = [rep("a", 55, reclaimed=30), rep("b", 60, reclaimed=30)]
+    yes = [rep("a", 65, reclaimed=10), rep("b", 65, reclaimed=10)]  # 130: 30% over one replica
     for t in range(10):
         assert a.decide(t, no, 2) is None
     assert a.decide(10, yes, 2) is None and a.decide(12, yes, 2) is None
     d = a.decide(13, yes, 2)
-    assert d.to_replicas == 1 and "reclaimed" in d.reason
+    assert d.to_replicas == 1 and "20 of them reclaimed" in d.reason
     assert scaler().decide(100, yes, 1) is None or True      # never under min_replicas
     lone = scaler()
     lone.decide(0, [rep("a", 100)], 1)
@@ -203,7 +203,34 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
     # the stale replica ranks after the fresh one while it has room; promises fill "ok" (10 free) first
     assert asyncio.run(place(4)) == ["ok", "ok", "old", "old"]
     assert sum(b for _, b in ctl.promises.values()) == 16
-    asyncio.run(ctl.started("r0"))
+    asyncio.run(ctl.finished("r0"))
     assert "r0" not in ctl.promises
     ctl.replicas["ok"].state = ctl.replicas["old"].state = "dead"
     assert asyncio.run(ctl.place("x", 1)) is None
+
+
+def test_a_promise_lasts_until_a_report_counts_the_request():
+    """A promise is dropped by the first report whose figures count the request's blocks (``admitted``), so
+    they are never counted twice (promise and free_blocks) nor not at all (promise gone, report older)."""
+    import asyncio
+    import time
+
+    from cluster.controller import Controller, ReplicaState
+    from cluster.placement import ReplicaView
+
+    ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
+    base = {"total_blocks": 64, "incarnation": "i1", "healthy": True}
+    ctl.replicas["a"] = ReplicaState("a", handle="a", state="healthy", report={**base, "free_blocks": 30},
+                                     reported_at=time.monotonic())
+
+    def free():
+        return [v.effective_free for v in ctl._views() if isinstance(v, ReplicaView)]
+    asyncio.run(ctl.place("q", 8))
+    assert free() == [22]
+    asyncio.run(ctl.report("a", {**base, "free_blocks": 30, "admitted": []}))  # figures older than q
+    assert free() == [22]
+    asyncio.run(ctl.report("a", {**base, "free_blocks": 22, "admitted": ["q"]}))  # q's blocks are in them
+    assert free() == [22] and "q" not in ctl.promises
+    asyncio.run(ctl.place("p", 4))
+    asyncio.run(ctl.report("a", {**base, "incarnation": "i2", "free_blocks": 64}))  # a new process
+    assert free() == [64] and not ctl.promises
