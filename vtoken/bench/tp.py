@@ -43,6 +43,8 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         seconds = time.perf_counter() - t0
         ranks = llm.collective_rpc("vtoken_tp_stats")
+        numel = max(1, round(ranks[0]["score_bytes_per_step"] / 4))
+        probe = llm.collective_rpc("vtoken_tp_probe", args=(numel,))
         engine = {k: v for k, v in vtoken_stats(llm).items() if k not in ("requests", "finished_requests")}
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -51,11 +53,14 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
            "score_bytes_per_step": ranks[0]["score_bytes_per_step"], "score_us_per_step":
            max(r["score_us_per_step"] for r in ranks), "check_us_per_step": max(r["check_us_per_step"] for r in ranks),
            "exchange_share": max(r["score_seconds"] + r["check_seconds"] for r in ranks) / seconds,
-           "tokens_moved": engine.get("tokens_moved", 0)}
+           "tokens_moved": engine.get("tokens_moved", 0), "probe": probe,
+           "probe_score_us": max(r["score_us"] for r in probe), "probe_check_us": max(r["check_us"] for r in probe)}
     log(f"[{policy}] TP={args.tp}: {row['ms_per_step']:.1f} ms/step; score all-reduce "
         f"{row['score_bytes_per_step']:.0f} B/step in {row['score_us_per_step']:.0f} us over "
         f"{ranks[0]['score_steps']} steps; plan check {row['check_us_per_step']:.0f} us over "
-        f"{ranks[0]['check_steps']} steps; {100 * row['exchange_share']:.2f}% of generation time")
+        f"{ranks[0]['check_steps']} steps; {100 * row['exchange_share']:.2f}% of generation time; "
+        f"ranks in step ({ranks[0]['backend']}): all-reduce of {4 * numel} B {row['probe_score_us']:.0f} us, "
+        f"plan check {row['probe_check_us']:.0f} us")
     return row
 
 

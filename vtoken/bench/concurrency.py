@@ -1,0 +1,134 @@
+"""Maximum feasible concurrency under a fixed, small KV pool: off / naive / vtoken at each budget.
+
+A batch of N different prompts of the same length (real text) is submitted at once; prefix caching is
+off in every mode, so no blocks are shared. It is *feasible* when all N were
+running together at one moment (the last one scheduled before the first one finished, from vLLM's own
+per-request timestamps) and no request was preempted. For each mode and budget we climb a ladder of N
+search for the largest feasible N (doubling, then bisection, starting from the mode before it: naive
+from off, vtoken from naive at the same budget, since each holds at most what the one before holds) and
+report it with the batch's throughput there. Short prompts and long outputs: the decode phase, where
+eviction acts, decides the peak. The pool is the same for every mode;
+``--pool-blocks`` sets it in blocks. One engine per mode serves every budget (per-request options).
+"""
+
+from __future__ import annotations
+
+from vtoken.bench.engine_run import Engine, log, real_prompts
+from vtoken.bench.report import Table
+
+MAX_N = 64
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--budgets", default="0.5,0.25,0.125")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--pool-blocks", type=int, default=64, help="KV pool size in blocks of 32 tokens")
+
+
+def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
+    import json
+    from pathlib import Path
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head * bs * dtype_bytes
+
+
+def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | None, start: int, label: str,
+            max_n: int = MAX_N) -> dict:
+    tried: dict[int, dict] = {}
+
+    def feasible(n: int) -> bool:
+        if n not in tried:
+            b = engine.batch(prompts[:n], m, [option] * n)
+            ok = b.all_concurrent and b.preemptions == 0
+            tried[n] = {"n": n, "feasible": ok, "all_concurrent": b.all_concurrent, "preemptions": b.preemptions,
+                        "seconds": b.seconds, "tokens_per_s": b.output_tokens / b.seconds}
+            log(f"[{label}] N={n}: {'feasible' if ok else 'NOT feasible'} ({b.preemptions} preemptions, "
+                f"all running together: {b.all_concurrent}), {b.output_tokens / b.seconds:.0f} tokens/s")
+        return tried[n]["feasible"]
+
+    lo, hi = 0, None  # lo: largest known feasible, hi: smallest known infeasible
+    n = max(start, 1)
+    while hi is None and n <= max_n:
+        if feasible(n):
+            lo, n = n, n * 2
+        else:
+            hi = n
+    hi = hi or max_n + 1
+    if lo == 0:  # the start itself failed: look below it
+        lo_n = 0
+        for k in range(hi - 1, 0, -1):
+            if feasible(k):
+                lo_n = k
+                break
+        lo = lo_n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
+    best = tried.get(lo)
+    return {"max_concurrency": lo, "tokens_per_s": best["tokens_per_s"] if best else 0.0,
+            "ladder": sorted(tried.values(), key=lambda t: t["n"])}
+
+
+def run(args) -> dict:
+    from vtoken.models import model_path
+
+    if args.quick:
+        model, budgets, plen, m, pool, max_n = "tiny-llama", [0.5], 64, 64, 12, 4
+    else:
+        model, budgets, plen, m, pool, max_n = (args.model, [float(b) for b in args.budgets.split(",")],
+                                                args.prompt_tokens, args.max_tokens, args.pool_blocks, MAX_N)
+    model_dir = str(model_path(model))
+    prompts = real_prompts(model_dir, MAX_N, plen)
+    kv = (pool + 1) * _block_bytes(model_dir, 32)  # + vLLM's reserved null block
+    kw = dict(kv_bytes=kv, max_model_len=plen + m + 64, max_num_seqs=MAX_N, enable_prefix_caching=False)
+    results = []
+    with Engine(model_dir, "off", **kw) as e:
+        pool = e.total_blocks
+        results.append({"mode": "off", "budget": 1.0, **_search(e, prompts, m, None, 1, "off", max_n)})
+    start = {b: results[0]["max_concurrency"] for b in budgets}
+    for mode in ("naive", "vtoken"):
+        with Engine(model_dir, mode, {"policy": args.policy}, **kw) as e:
+            for b in budgets:
+                r = _search(e, prompts, m, {"budget": b}, start[b], f"{mode} {b}", max_n)
+                start[b] = r["max_concurrency"]
+                results.append({"mode": mode, "budget": b, **r})
+    off = results[0]["max_concurrency"]
+    for r in results:
+        naive = next((x for x in results if x["mode"] == "naive" and x["budget"] == r["budget"]), None)
+        r["vs_off"] = r["max_concurrency"] / off if off else None
+        r["vs_naive"] = r["max_concurrency"] / naive["max_concurrency"] if naive and naive["max_concurrency"] else None
+    return {"model": model, "policy": args.policy, "prompt_tokens": plen, "max_tokens": m, "pool_blocks": pool,
+            "budgets": budgets, "results": results}
+
+
+def tables(result: dict) -> list[Table]:
+    rows = [[r["mode"], r["budget"] if r["mode"] != "off" else "-", r["max_concurrency"],
+             round(r["tokens_per_s"], 1), f"x{r['vs_naive']:.2f}" if r["vs_naive"] else "-",
+             f"x{r['vs_off']:.2f}" if r["vs_off"] else "-"] for r in result["results"]]
+    return [Table(f"Maximum feasible concurrency in a {result['pool_blocks']}-block pool ({result['model']}, "
+                  f"{result['policy']}, {result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens)",
+                  ["mode", "budget", "max concurrent requests", "tokens/s at that point", "vs naive", "vs off"],
+                  rows, "Feasible: all requests running together, no preemption (paper: up to 2x vs naive).")]
+
+
+def plot(result: dict, fig) -> None:
+    import numpy as np
+
+    ax = fig.subplots(1, 1)
+    budgets = result["budgets"]
+    x = np.arange(len(budgets))
+    off = result["results"][0]["max_concurrency"]
+    for j, mode in enumerate(("naive", "vtoken")):
+        vals = [next(r["max_concurrency"] for r in result["results"] if r["mode"] == mode and r["budget"] == b)
+                for b in budgets]
+        ax.bar(x + (j - 0.5) * 0.35, vals, 0.35, label=mode)
+    ax.axhline(off, color="k", ls="--", label="off")
+    ax.set_xticks(x, [f"{b:g}" for b in budgets])
+    ax.set(xlabel="budget (live ratio)", ylabel="max concurrent requests, no preemption",
+           title=f"{result['pool_blocks']}-block KV pool")
+    ax.legend()

@@ -1,0 +1,157 @@
+"""SLA-constrained throughput: Poisson arrivals at increasing rates against a small KV pool.
+
+For each mode (off, naive, vtoken; naive and vtoken with the same policy and budget) one AsyncLLM engine
+serves ``--requests`` requests per rate, arriving as a Poisson process (fixed seed, the same arrival times
+in every mode). Time to first token (TTFT) and time per output token (TPOT) are measured by the client,
+as users see them. A rate *meets the SLA* when p90 TTFT and p90 TPOT are both within the SLA; we climb the
+rates and report the highest that meets it, and the throughput (completed requests per second) there.
+
+The SLA is derived on this machine, in this run, from the off engine serving one request alone:
+TTFT <= ``--ttft-factor`` x its TTFT, and TPOT <= ``--tpot-factor`` x its TPOT - a request may wait a
+few prefills' worth and decode may slow down by batching, but not without bound. The pool is small on
+purpose (``--pool-blocks``): memory, which vToken reclaims, is what limits the rate, not the two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from vtoken.bench.concurrency import _block_bytes
+from vtoken.bench.engine_run import log, real_prompts
+from vtoken.bench.report import Table
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--pool-blocks", type=int, default=40)
+    p.add_argument("--requests", type=int, default=20, help="requests per rate")
+    p.add_argument("--rates", default="0.5,1,1.5,2,2.5,3,4", help="arrival rates, requests per second")
+    p.add_argument("--ttft-factor", type=float, default=10.0)
+    p.add_argument("--tpot-factor", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+async def _one(engine, prompt, sp, rid: str, delay: float) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    await asyncio.sleep(delay)
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
+        n = len(out.outputs[0].token_ids)
+        if n and first is None:
+            first = time.perf_counter()
+        last = time.perf_counter()
+    return {"ttft": first - t0, "tpot": (last - first) / max(n - 1, 1), "tokens": n, "end": last}
+
+
+async def _serve(engine, prompts, sp, arrivals, tag: str) -> dict:
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(_one(engine, p, sp, f"{tag}-{i}", a) for i, (p, a) in enumerate(zip(prompts, arrivals))))
+    span = max(r["end"] for r in res) - t0
+    return {"p90_ttft": float(np.percentile([r["ttft"] for r in res], 90)),
+            "p90_tpot": float(np.percentile([r["tpot"] for r in res], 90)),
+            "throughput": len(res) / span, "tokens_per_s": sum(r["tokens"] for r in res) / span, "requests": res}
+
+
+async def _mode(model_dir: str, mode: str, cfg: dict, kw: dict, prompts, m: int, rates, n: int, seed: int,
+                sla: dict | None, factors: tuple[float, float]) -> dict:
+    """Serve the rates in order until one misses the SLA. ``sla=None`` (the off engine, first): derive
+    the SLA from this engine's solo request."""
+    from vllm import SamplingParams
+
+    from vtoken.vllm_adapter import make_async_llm, vtoken_stats_async
+
+    log(f"[{mode}] starting vLLM ...")
+    engine = make_async_llm(model_dir, {"mode": mode, **cfg} if mode != "off" else {"mode": "off"}, **kw)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+        solo = await _serve(engine, prompts[:1], sp, [0.0], f"{mode}-solo")
+        if sla is None:
+            sla = {"ttft": factors[0] * solo["p90_ttft"], "tpot": factors[1] * solo["p90_tpot"]}
+            log(f"SLA: p90 TTFT <= {sla['ttft']:.2f} s, p90 TPOT <= {1000 * sla['tpot']:.0f} ms")
+        out = {"solo": {k: v for k, v in solo.items() if k != "requests"}, "sla": sla, "rates": []}
+        for rate in rates:
+            rng = np.random.default_rng(seed)
+            arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+            r = await _serve(engine, prompts[:n], sp, arrivals, f"{mode}-{rate}")
+            r["rate"] = rate
+            r["meets_sla"] = r["p90_ttft"] <= sla["ttft"] and r["p90_tpot"] <= sla["tpot"]
+            if mode != "off":
+                r["preemptions_seen"] = (await vtoken_stats_async(engine))["preemptions_seen"]
+            out["rates"].append({k: v for k, v in r.items() if k != "requests"})
+            log(f"[{mode}] {rate} req/s: p90 TTFT {r['p90_ttft']:.2f} s, p90 TPOT {1000 * r['p90_tpot']:.0f} ms, "
+                f"{r['throughput']:.2f} req/s -> {'meets' if r['meets_sla'] else 'misses'} the SLA")
+            if not r["meets_sla"]:
+                break
+        ok = [r for r in out["rates"] if r["meets_sla"]]
+        out["max_rate"] = ok[-1]["rate"] if ok else 0.0
+        out["throughput_at_max"] = ok[-1]["throughput"] if ok else 0.0
+        return out
+    finally:
+        engine.shutdown()
+
+
+def run(args) -> dict:
+    from vtoken.models import model_path
+
+    if args.quick:
+        model, plen, m, pool, n, rates = "tiny-llama", 64, 32, 16, 6, [2.0, 8.0]
+    else:
+        model, plen, m, pool, n = args.model, args.prompt_tokens, args.max_tokens, args.pool_blocks, args.requests
+        rates = [float(r) for r in args.rates.split(",")]
+    model_dir = str(model_path(model))
+    prompts = real_prompts(model_dir, n, plen)
+    kw = dict(dtype="float32", block_size=32, kv_cache_memory_bytes=(pool + 1) * _block_bytes(model_dir, 32),
+              max_model_len=plen + m + 64, enforce_eager=True, seed=0, enable_prefix_caching=False,
+              max_num_seqs=64, disable_log_stats=False)
+    cfg = {"policy": args.policy, "budget": args.budget}
+    factors = (args.ttft_factor, args.tpot_factor)
+    modes = {"off": asyncio.run(_mode(model_dir, "off", cfg, kw, prompts, m, rates, n, args.seed, None, factors))}
+    sla = modes["off"]["sla"]  # from off serving one request alone, first in this run
+    for mode in ("naive", "vtoken"):
+        modes[mode] = asyncio.run(_mode(model_dir, mode, cfg, kw, prompts, m, rates, n, args.seed, sla, factors))
+    nv, vt = modes["naive"]["max_rate"], modes["vtoken"]["max_rate"]
+    return {"model": model, "policy": args.policy, "budget": args.budget, "prompt_tokens": plen, "max_tokens": m,
+            "pool_blocks": pool, "requests_per_rate": n, "rates": rates, "sla": sla, "solo": modes["off"]["solo"],
+            "modes": modes, "ratio_vs_naive": vt / nv if nv else None,
+            "throughput_ratio_vs_naive": (modes["vtoken"]["throughput_at_max"] / modes["naive"]["throughput_at_max"]
+                                          if modes["naive"]["throughput_at_max"] else None)}
+
+
+def tables(result: dict) -> list[Table]:
+    rows = []
+    for mode, r in result["modes"].items():
+        best = next((x for x in r["rates"] if x["rate"] == r["max_rate"]), None)
+        rows.append([mode, r["max_rate"], round(r["throughput_at_max"], 3),
+                     round(best["p90_ttft"], 2) if best else "-", round(1000 * best["p90_tpot"]) if best else "-"])
+    ratio = result["ratio_vs_naive"]
+    s = result["sla"]
+    return [Table(f"Highest Poisson arrival rate within the SLA ({result['model']}, {result['policy']} at budget "
+                  f"{result['budget']}, {result['pool_blocks']}-block pool, {result['prompt_tokens']}-token prompts, "
+                  f"{result['max_tokens']} output tokens, {result['requests_per_rate']} requests per rate)",
+                  ["mode", "max rate (req/s)", "completed req/s there", "p90 TTFT (s)", "p90 TPOT (ms)"], rows,
+                  f"SLA: p90 TTFT <= {s['ttft']:.2f} s and p90 TPOT <= {1000 * s['tpot']:.0f} ms. vtoken / naive: "
+                  + (f"x{ratio:.2f}" if ratio else "n/a") + " (paper: up to 1.37x).")]
+
+
+def plot(result: dict, fig) -> None:
+    ax1, ax2 = fig.subplots(1, 2)
+    for mode, r in result["modes"].items():
+        rates = [x["rate"] for x in r["rates"]]
+        ax1.plot(rates, [x["p90_ttft"] for x in r["rates"]], "o-", label=mode)
+        ax2.plot(rates, [1000 * x["p90_tpot"] for x in r["rates"]], "o-", label=mode)
+    ax1.axhline(result["sla"]["ttft"], color="k", ls="--", label="SLA")
+    ax2.axhline(1000 * result["sla"]["tpot"], color="k", ls="--", label="SLA")
+    ax1.set(xlabel="arrival rate (req/s)", ylabel="p90 TTFT (s)", yscale="log")
+    ax2.set(xlabel="arrival rate (req/s)", ylabel="p90 TPOT (ms)")
+    ax1.legend()
+    ax2.legend()
