@@ -241,7 +241,10 @@ def test_a_rank_that_fails_to_apply_a_plan_stops_the_engine():
 
     s = session("vtoken", controls=True)
     assert s.failure is not None, "the engine kept serving after rank 1 failed to apply a plan"
-    assert isinstance(s.failure, EngineDeadError), repr(s.failure)
+    # A multiprocess engine core (servers) dies: EngineDeadError. In-process (conftest's default for tests)
+    # the worker's error reaches the caller itself.
+    assert isinstance(s.failure, EngineDeadError) or "failed to apply the compaction plan" in str(s.failure), \
+        repr(s.failure)
     assert s.failure_seconds < 100, f"the failure took {s.failure_seconds:.0f} s to surface (a hang?)"
     assert "rank(s) [1] failed to apply the compaction plan of step" in s.log, s.log[-3000:]
     assert "injected fault" in s.log and "rather than serving divergent KV" in s.log

@@ -85,8 +85,34 @@ class TensorParallel:
             return "none"
         import torch.distributed as dist
 
-        comm = type(getattr(self.group, "device_communicator", None)).__name__
-        return f"{dist.get_backend(self.group.device_group)} ({comm})"
+        comm = getattr(self.group, "device_communicator", None)
+        via = getattr(comm, "dist_module", None)  # vLLM's CPU communicator: shared memory or torch.distributed
+        via = "shm" if type(via).__name__ == "_CPUSHMDistributed" else type(comm).__name__
+        return f"{dist.get_backend(self.group.device_group)} ({via})"
+
+    def probe(self, numel: int, reps: int = 200) -> dict[str, float]:
+        """Latency of each exchange with the ranks already in step (back-to-back collectives, after a
+        warm-up): the transfer cost alone, without the wait for a slower rank that a step's timing includes.
+        Every rank must call it with the same arguments. Counts nothing in ``stats``."""
+        if self.world == 1:
+            return {"score_us": 0.0, "check_us": 0.0, "score_bytes": 0}
+        w = torch.zeros(numel, dtype=torch.float32, device=self.group.device)
+        saved, self.stats = self.stats, ExchangeStats()
+        try:
+            for _ in range(10):
+                self.sum_scores(w)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                self.sum_scores(w)
+            score = (time.perf_counter() - t0) / reps
+            self._gather_status(False)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                self._gather_status(False)
+            check = (time.perf_counter() - t0) / reps
+        finally:
+            self.stats = saved
+        return {"score_us": 1e6 * score, "check_us": 1e6 * check, "score_bytes": 4 * numel}
 
     # ------------------------------------------------------------ attention statistics
     def sum_scores(self, w: torch.Tensor) -> torch.Tensor:

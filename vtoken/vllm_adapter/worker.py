@@ -16,6 +16,10 @@ class VTokenWorkerRPC:
         tp = self.model_runner.vt_tp
         return {"rank": tp.rank, "world": tp.world, "backend": tp.backend, **tp.stats.summary()}
 
+    def vtoken_tp_probe(self, numel: int, reps: int = 200) -> dict:
+        """Latency of the exchanges alone, ranks in step (see tp.TensorParallel.probe); every rank runs it."""
+        return {"rank": self.model_runner.vt_tp.rank, **self.model_runner.vt_tp.probe(numel, reps)}
+
     def vtoken_set_fault(self, fault: str | None) -> None:
         """Testing: switch a tensor-parallel fault (tp.FAULTS) on a running engine, saving an engine start."""
         from vtoken.vllm_adapter.tp import FAULTS
