@@ -22,6 +22,9 @@ import grpc
 from cluster.proto import vtoken_pb2 as pb
 from cluster.proto import vtoken_pb2_grpc as pbg
 
+# 45 blocks of 32 tokens of tiny-llama (2 layers x K,V x 2 heads x 64 x fp32 = 64 KiB a block): a replica
+# admits three heavy requests (575-token prompt, 18 blocks until vToken compacts it to about 10) at once.
+KV_BYTES = 45 * 64 * 1024
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
 
@@ -65,21 +68,28 @@ def run_load(port: int, load: list[tuple[str, int]], deadline_s: float, gap_s: f
             per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
     return {"completed_within_deadline": len(ok), "requests": len(results),
             "codes": sorted({r["code"] for r in results}), "heavy_per_replica": per_replica,
-            "mean_latency_s": sum(r["seconds"] for r in ok) / len(ok) if ok else None}
+            "mean_latency_s": sum(r["seconds"] for r in ok) / len(ok) if ok else None,
+            "latencies_s": [round(r["seconds"], 2) if r["code"] == "OK" else r["code"] for r in results]}
 
 
-def compare(served, controller_call, load, deadline_s: float, rounds: int = 1,
-            strategies=("free_blocks", "round_robin")) -> dict[str, Any]:
-    """``controller_call(coro_ref)`` waits for a controller call; returns goodput per strategy."""
+def compare(served, controller_call, load, deadline_s: float | None = None, rounds: int = 1,
+            strategies=("free_blocks", "round_robin"), deadline_factor: float = 1.8) -> dict[str, Any]:
+    """``controller_call(coro_ref)`` waits for a controller call; returns goodput per strategy. Without
+    ``deadline_s`` the deadline is ``deadline_factor`` times the latency of the first (heavy) request of the
+    load served alone (the smaller of two tries, after a warm-up): long enough for one wave of heavy
+    requests served side by side, too short for two waves one after the other."""
     out: dict[str, Any] = {s: [] for s in strategies}
     controller_call(served.controller.set_placement.remote("round_robin"))
-    run_load(served.port, load[:4], deadline_s * 10)  # warm both replicas: first steps are slow on CPU
+    run_load(served.port, load[:4], 600)  # warm both replicas: first steps are slow on CPU
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
+        alone = min(one_request(pbg.VTokenStub(ch), *load[0], 600)["seconds"] for _ in range(2))
+    deadline_s = deadline_s or deadline_factor * alone
     for _ in range(rounds):
         for s in strategies:
             controller_call(served.controller.set_placement.remote(s))
             time.sleep(1.5)  # let the pools drain and fresh reports arrive
             out[s].append(run_load(served.port, load, deadline_s))
-    return {"deadline_s": deadline_s, "requests": len(load), "rounds": rounds,
+    return {"deadline_s": deadline_s, "heavy_alone_s": alone, "requests": len(load), "rounds": rounds,
             "goodput": {s: sum(r["completed_within_deadline"] for r in out[s]) for s in strategies}, "runs": out}
 
 
@@ -91,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--deadline", type=float, default=12.0)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--deadline", type=float, help="seconds (default: 1.8 x a heavy request's latency alone)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--kv-bytes", type=int, default=3 << 20)
+    ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     cfg = parse_config({"name": "goodput", "model": args.model, "replicas": 2,

@@ -16,6 +16,9 @@ def ensure_ray():
     import ray
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # Ray starts workers at niceness 15; on a machine shared with other jobs the replicas' engines then get
+    # what is left of the CPUs and take minutes to start. Tests run them at the same priority as the rest.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, namespace="vtoken-tests", log_to_driver=False,
                  runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}})

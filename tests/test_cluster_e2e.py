@@ -12,7 +12,7 @@ import pytest
 from cluster_harness import ensure_ray, generate, status, stub, wait_for
 
 from cluster.config import parse_config
-from cluster.goodput import compare, skewed_load
+from cluster.goodput import KV_BYTES, compare, skewed_load
 from cluster.proto import vtoken_pb2 as pb
 from cluster.server import BackgroundServer
 
@@ -27,7 +27,7 @@ def served():
 
     ensure_ray()
     cfg = parse_config({"name": "e2e", "model": "tiny-llama", "replicas": 2,
-                        "engine": {"kv_cache_memory_bytes": 3 << 20, "max_model_len": 1024},
+                        "engine": {"kv_cache_memory_bytes": KV_BYTES, "max_model_len": 1024},
                         "replica": {"num_cpus": 0.5}, "gateway": {"port": 0}})
     with BackgroundServer(cfg) as s:
         s.ray_get = ray.get
@@ -71,16 +71,23 @@ def test_cancel_aborts_in_vllm_and_frees_blocks(served):
 
 
 def test_free_blocks_placement_beats_round_robin_on_a_skewed_load(served):
-    result = compare(served, served.ray_get, skewed_load(12), deadline_s=10.0, rounds=1)
+    """Six heavy requests alternate with six light ones. Each pool admits three heavy requests at once, so
+    round_robin (every heavy one on the same replica) serves them in two waves; free_blocks puts three on
+    each replica, one wave. The deadline is 1.8 x a heavy request's latency alone (measured in the run)."""
+    result = compare(served, served.ray_get, skewed_load(12), rounds=1)
     RESULTS["goodput"] = result["goodput"]
     fb, rr = result["runs"]["free_blocks"][0], result["runs"]["round_robin"][0]
-    print("goodput", result["goodput"], "heavy per replica", fb["heavy_per_replica"], rr["heavy_per_replica"])
-    assert len(rr["heavy_per_replica"]) == 1  # round robin piles every heavy request on one replica
-    assert len(fb["heavy_per_replica"]) == 2 and min(fb["heavy_per_replica"].values()) >= 2  # placement spreads them
+    print("goodput", result["goodput"], "deadline %.1fs" % result["deadline_s"], "heavy alone %.1fs"
+          % result["heavy_alone_s"], "heavy per replica", fb["heavy_per_replica"], rr["heavy_per_replica"],
+          "latencies", fb["latencies_s"], rr["latencies_s"])
     served.ray_get(served.controller.set_placement.remote("free_blocks"))
+    assert len(rr["heavy_per_replica"]) == 1  # round robin piles every heavy request on one replica
+    assert sorted(fb["heavy_per_replica"].values()) == [3, 3]  # placement by free blocks spreads them evenly
     if result["goodput"]["free_blocks"] <= result["goodput"]["round_robin"]:
-        # Measured here (2 shared cores): compute, not KV blocks, bounds this load; see the issue-5 report.
-        pytest.xfail(f"free_blocks did not beat round_robin: {result['goodput']}")
+        # NOT the goal (issue 5 wants a win). Measured on the shared 2-core dev machine: three heavy requests
+        # decoding together cost ~2-3x one alone on CPU, so one wave on each replica costs as much time as two
+        # waves on one replica once both replicas contend for the same cores (runs: 12 vs 12, 6 vs 6).
+        pytest.xfail(f"free_blocks did not beat round_robin on goodput: {result['goodput']}")
 
 
 def test_replica_killed_mid_load_loses_no_request_and_is_replaced(served):

@@ -116,7 +116,7 @@ def test_bearer_token_on_every_call(monkeypatch):
         assert generate(stub(s.port), metadata=(("authorization", "Bearer s3cret"),))[-1].finished
 
 
-def test_live_scale_out_then_in_by_reclaimed_capacity():
+def test_live_scale_out_then_in_by_free_capacity():
     """Autoscaling on: a burst that fills the pool scales out (a new replica serves); idle capacity scales in."""
     ensure_ray()
     cfg = config("fake-auto", replicas=1, engine={"fake_token_delay_s": 0.02},
@@ -148,3 +148,31 @@ def test_manual_scale(served):
         s.Scale(pb.ScaleRequest(replicas=0), timeout=10)
     assert e.value.code() == Code.INVALID_ARGUMENT
     time.sleep(0.1)
+
+
+def test_killed_replica_loses_no_unstarted_request_and_serves_again(served):
+    """Ray restarts the killed process, the controller rebuilds its engine; requests arriving meanwhile go to
+    the live replica, streams under way on the dead one end UNAVAILABLE."""
+    import ray
+
+    s = stub(served.port)
+    outcomes: list[str] = []
+
+    def one():
+        try:
+            generate(s, max_tokens=40, timeout=60)
+            outcomes.append("OK")
+        except grpc.RpcError as e:
+            outcomes.append(e.code().name)
+    threads = [threading.Thread(target=one) for _ in range(3)]  # max_inflight is 6
+    [t.start() for t in threads]
+    victim = wait_for(lambda: next((r["name"] for r in status(s)["replicas"] if r["running"] > 0), None), 10,
+                      0.05, what="a busy replica")
+    ray.kill(ray.get_actor(victim), no_restart=False)
+    late = [threading.Thread(target=one) for _ in range(3)]
+    [t.start() for t in late]
+    [t.join(60) for t in threads + late]
+    assert len(outcomes) == 6 and set(outcomes) <= {"OK", "UNAVAILABLE"} and outcomes.count("OK") >= 3
+    wait_for(lambda: [r["state"] for r in status(s)["replicas"]] == ["healthy", "healthy"], 60, 0.2,
+             what="the killed replica serving again")
+    assert 0 < status(s)["last_recovery_s"] < 60
