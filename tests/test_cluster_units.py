@@ -234,4 +234,3 @@ def test_a_promise_lasts_until_a_report_counts_the_request():
     asyncio.run(ctl.place("p", 4))
     asyncio.run(ctl.report("a", {**base, "incarnation": "i2", "free_blocks": 64}))  # a new process
     assert free() == [64] and not ctl.promises
-
