@@ -36,10 +36,32 @@ def test_bench_core_quick(tmp_path):
     assert out["mover"]["gbps"] > 0 and {"machine", "settings", "seconds"} <= set(out)
 
 
-@pytest.mark.vllm
-def test_bench_overhead_quick(tmp_path):
-    r = vt("bench", "overhead", "--quick", "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads((tmp_path / "overhead.json").read_text())
-    assert [row["mode"] for row in out["rows"]] == ["off", "vtoken-streaming", "vtoken-h2o", "naive-h2o"]
-    assert all(row["ms_per_step"] > 0 for row in out["rows"])
+# Structure, not numbers: each benchmark's --quick form on the tiny model writes JSON, Markdown and a plot.
+QUICK = {
+    "blocks": lambda o: {"summary", "rows", "reduction_range"} <= set(o)
+    and {s["policy"] for s in o["summary"]} == {"h2o", "scissorhands", "random", "streaming"}
+    and o["naive_engine_same_decisions"],
+    "concurrency": lambda o: [r["mode"] for r in o["results"]][:1] == ["off"]
+    and all(r["max_concurrency"] >= 1 for r in o["results"]),
+    "sla": lambda o: set(o["modes"]) == {"off", "naive", "vtoken"} and o["sla"]["ttft"] > 0,
+    "overhead": lambda o: [r["mode"] for r in o["rows"]] == ["stock", "off", "vtoken-noevict", "vtoken-streaming",
+                                                             "vtoken-h2o", "naive-h2o"]
+    and all(r["ms_per_step"] > 0 for r in o["rows"]),
+    "quality": lambda o: "full" in o["perplexity"] and o["passkey"]["naive_equals_vtoken"],
+    "footprint": lambda o: all(r["lines"] < 30 for r in o["policies"]) and o["metadata"]["bytes_per_token"] <= 8,
+}
+
+
+@pytest.mark.parametrize("name", list(QUICK))
+def test_bench_quick(name, tmp_path):
+    """In this process: offline engines start in seconds (VLLM_ENABLE_V1_MULTIPROCESSING=0, conftest)."""
+    if name != "footprint":
+        pytest.importorskip("vllm")
+    from vtoken.cli import main
+
+    assert main(["bench", name, "--quick", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / f"{name}.json").read_text())
+    assert {"benchmark", "command", "settings", "machine", "seconds"} <= set(out)
+    assert QUICK[name](out), f"{name}: unexpected structure"
+    assert (tmp_path / f"{name}.md").read_text().count("|") > 8
+    assert (tmp_path / f"{name}.png").stat().st_size > 5000

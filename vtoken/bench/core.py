@@ -79,3 +79,16 @@ def run(args) -> dict:
     print(f"mover ({device}): {nbytes / 1e6:.1f} MB in {move_s * 1e3:.2f} ms = {result['mover']['gbps']:.2f} GB/s; "
           f"plain copy_ {result['mover']['copy_gbps']:.2f} GB/s; mover/copy = {result['mover']['ratio_to_copy']:.2f}")
     return result
+
+
+def tables(result: dict):
+    from vtoken.bench.report import Table
+
+    t, p, m = result["table"], result["planner"], result["mover"]
+    return [Table("Core figures", ["figure", "value"], [
+        ["TokenTable bytes per token", f"{t['bytes_per_token']:.2f} at {t['tokens']} tokens ({t['nbytes']} B)"],
+        ["planner moves (lower bound, order-preserving reference)",
+         f"{p['moves']} ({p['lower_bound']}, {p['reference_moves']})"],
+        ["blocks before -> after compaction", f"{p['blocks_before']} -> {p['blocks_after']} in "
+                                              f"{1000 * p['seconds']:.2f} ms"],
+        [f"mover ({m['device']}) GB/s vs plain copy_", f"{m['gbps']:.2f} vs {m['copy_gbps']:.2f}"]])]
