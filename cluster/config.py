@@ -44,6 +44,9 @@ class ReplicaConfig(_Strict):
     report_interval_s: float = Field(1.0, gt=0, le=10, description="longest gap between two reports")
     change_fraction: float = Field(0.05, gt=0, le=1, description="report at once when free blocks move by this "
                                    "fraction of the pool")
+    pin_cpus: bool = Field(False, description="CPU-only nodes: bind each replica's vLLM threads to cores of its "
+                           "own (VLLM_CPU_OMP_THREADS_BIND), num_cpus of them, so replicas run side by side like "
+                           "one device each instead of fighting over the same cores")
 
 
 class PlacementConfig(_Strict):

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ class ReplicaState:
     reported_at: float = 0.0
     died_at: float | None = None
     task: asyncio.Task | None = None
+    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
 
 
 def engine_factory(cfg: ServeConfig) -> EngineFactory:
@@ -96,15 +98,32 @@ class Controller:
         self.seq += 1
         name = f"{self.cfg.name}-replica-{self.seq}"
         r = self.cfg.replica
+        cores = self._free_cores() if r.pin_cpus else None
+        env = {**REPLICA_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
         handle = ray.remote(Replica).options(
             name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_restarts=r.max_restarts,
-            max_task_retries=0, max_concurrency=10000, runtime_env={"env_vars": REPLICA_ENV},
+            max_task_retries=0, max_concurrency=10000, runtime_env={"env_vars": env},
         ).remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s,
                  r.change_fraction)
-        st = ReplicaState(name, handle, died_at=died_at)
+        st = ReplicaState(name, handle, died_at=died_at, cores=cores)
         self.replicas[name] = st
         st.task = asyncio.ensure_future(self._start_replica(st))
         log.info("replica %s created", name)
+
+    def _free_cores(self) -> str | None:
+        """The lowest cores no live replica is bound to, ``max(1, num_cpus)`` of them ("2-3"); None when
+        the node has none left (the replica then shares cores, as without pin_cpus)."""
+        n = max(1, int(self.cfg.replica.num_cpus))
+        used = set()
+        for st in self.replicas.values():
+            if st.cores and st.state != "dead":
+                a, _, b = st.cores.partition("-")
+                used.update(range(int(a), int(b or a) + 1))
+        total = os.cpu_count() or 1
+        for start in range(0, total - n + 1):
+            if not used & set(range(start, start + n)):
+                return str(start) if n == 1 else f"{start}-{start + n - 1}"
+        return None
 
     async def _start_replica(self, st: ReplicaState) -> None:
         """(Re)start the engine. Ray restarts a killed process by itself; a replica Ray gave up on

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = parse_config({"name": "goodput", "model": args.model, "replicas": 2,
                         "engine": {"kv_cache_memory_bytes": args.kv_bytes},
-                        "replica": {"num_cpus": 0.5}, "gateway": {"port": 0}})
+                        "replica": {"num_cpus": 0.5, "pin_cpus": True}, "gateway": {"port": 0}})
     start_ray(cfg)
     with BackgroundServer(cfg) as served:
         result = compare(served, lambda ref: ray.get(ref), skewed_load(args.requests), args.deadline, args.rounds)

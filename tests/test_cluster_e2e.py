@@ -4,6 +4,8 @@ a replica killed mid-load (no request lost, the replica replaced), and drains th
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -28,10 +30,14 @@ def served():
     ensure_ray()
     cfg = parse_config({"name": "e2e", "model": "tiny-llama", "replicas": 2,
                         "engine": {"kv_cache_memory_bytes": KV_BYTES, "max_model_len": 1024},
-                        "replica": {"num_cpus": 0.5}, "gateway": {"port": 0}})
+                        "replica": {"num_cpus": 0.5, "pin_cpus": True}, "gateway": {"port": 0}})
     with BackgroundServer(cfg) as s:
         s.ray_get = ray.get
         yield s
+    if os.environ.get("VTOKEN_RESULTS_DIR"):  # the measured figures, for the README and closing notes
+        out = os.path.join(os.environ["VTOKEN_RESULTS_DIR"], "cluster_e2e.json")
+        with open(out, "w") as f:
+            json.dump(RESULTS, f, indent=2, default=str)
     assert len(s.final_reports) == 2
     for r in s.final_reports:  # after the drain every pool has all its blocks free
         assert r["free_blocks"] == r["total_blocks"] > 0 and r["running"] == 0, r
@@ -76,6 +82,7 @@ def test_free_blocks_placement_beats_round_robin_on_a_skewed_load(served):
     each replica, one wave. The deadline is 1.8 x a heavy request's latency alone (measured in the run)."""
     result = compare(served, served.ray_get, skewed_load(12), rounds=1)
     RESULTS["goodput"] = result["goodput"]
+    RESULTS["goodput_detail"] = {k: v for k, v in result.items() if k != "runs"}
     fb, rr = result["runs"]["free_blocks"][0], result["runs"]["round_robin"][0]
     print("goodput", result["goodput"], "deadline %.1fs" % result["deadline_s"], "heavy alone %.1fs"
           % result["heavy_alone_s"], "heavy per replica", fb["heavy_per_replica"], rr["heavy_per_replica"],

@@ -4,8 +4,9 @@ A batch of N different prompts of the same length (real text) is submitted at on
 off in every mode, so no blocks are shared. It is *feasible* when all N were
 running together at one moment (the last one scheduled before the first one finished, from vLLM's own
 per-request timestamps) and no request was preempted. For each mode and budget we climb a ladder of N
-search for the largest feasible N (doubling, then bisection, starting from the mode before it: naive
-from off, vtoken from naive at the same budget, since each holds at most what the one before holds) and
+search for the largest feasible N (starting from the mode before it: naive from off, vtoken from naive at
+the same budget, since each holds at most what the one before holds; then jumping to what the pool fits at
+the peak blocks a request held, or doubling; then bisection) and
 report it with the batch's throughput there. Short prompts and long outputs: the decode phase, where
 eviction acts, decides the peak. The pool is the same for every mode;
 ``--pool-blocks`` sets it in blocks. One engine per mode serves every budget (per-request options).
@@ -24,8 +25,8 @@ def add_args(p) -> None:
     p.add_argument("--policy", default="h2o")
     p.add_argument("--budgets", default="0.5,0.25,0.125")
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--pool-blocks", type=int, default=64, help="KV pool size in blocks of 32 tokens")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--pool-blocks", type=int, default=48, help="KV pool size in blocks of 32 tokens")
 
 
 def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
@@ -39,6 +40,7 @@ def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
 
 def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | None, start: int, label: str,
             max_n: int = MAX_N) -> dict:
+    pool = engine.total_blocks
     tried: dict[int, dict] = {}
 
     def feasible(n: int) -> bool:
@@ -46,7 +48,8 @@ def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | Non
             b = engine.batch(prompts[:n], m, [option] * n)
             ok = b.all_concurrent and b.preemptions == 0
             tried[n] = {"n": n, "feasible": ok, "all_concurrent": b.all_concurrent, "preemptions": b.preemptions,
-                        "seconds": b.seconds, "tokens_per_s": b.output_tokens / b.seconds}
+                        "seconds": b.seconds, "tokens_per_s": b.output_tokens / b.seconds,
+                        "peak_blocks": max((x.record.get("peak_retained_blocks", 0) for x in b.served), default=0)}
             log(f"[{label}] N={n}: {'feasible' if ok else 'NOT feasible'} ({b.preemptions} preemptions, "
                 f"all running together: {b.all_concurrent}), {b.output_tokens / b.seconds:.0f} tokens/s")
         return tried[n]["feasible"]
@@ -55,7 +58,10 @@ def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | Non
     n = max(start, 1)
     while hi is None and n <= max_n:
         if feasible(n):
-            lo, n = n, n * 2
+            # next: double, or jump to what the pool fits at the peak blocks a request held (vToken's record)
+            peak = tried[n].get("peak_blocks")
+            guess = int(pool // peak) if peak else 0
+            lo, n = n, guess if guess > n else n * 2
         else:
             hi = n
     hi = hi or max_n + 1
