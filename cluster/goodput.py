@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--deadline", type=float, help="seconds (default: 1.8 x a heavy request's latency alone)")
+    ap.add_argument("--deadline-factor", type=float, default=1.8, help="without --deadline: this x a heavy "
+                    "request's latency alone")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
     ap.add_argument("--out", help="also write the JSON here")
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                         "replica": {"num_cpus": 0.5, "pin_cpus": True}, "gateway": {"port": 0}})
     start_ray(cfg)
     with BackgroundServer(cfg) as served:
-        result = compare(served, lambda ref: ray.get(ref), skewed_load(args.requests), args.deadline, args.rounds)
+        result = compare(served, lambda ref: ray.get(ref), skewed_load(args.requests), args.deadline, args.rounds,
+                         deadline_factor=args.deadline_factor)
     result.update(model=args.model, kv_cache_memory_bytes=args.kv_bytes)
     text = json.dumps(result, indent=2)
     print(text)

@@ -27,9 +27,9 @@ def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--budgets", default="0.5,0.25,0.125")
-    p.add_argument("--context", type=int, default=768, help="perplexity: tokens before the evaluated ones")
-    p.add_argument("--eval-tokens", type=int, default=192, help="perplexity: teacher-forced tokens")
-    p.add_argument("--passages", type=int, default=2)
+    p.add_argument("--context", type=int, default=512, help="perplexity: tokens before the evaluated ones")
+    p.add_argument("--eval-tokens", type=int, default=128, help="perplexity: teacher-forced tokens")
+    p.add_argument("--passages", type=int, default=1)
     p.add_argument("--haystack", type=int, default=400, help="passkey: tokens of text around the key")
     p.add_argument("--keys", type=int, default=6, help="passkey prompts (depths spread over the text)")
 

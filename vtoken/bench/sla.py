@@ -32,7 +32,7 @@ def add_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--pool-blocks", type=int, default=40)
     p.add_argument("--requests", type=int, default=20, help="requests per rate")
-    p.add_argument("--rates", default="0.5,1,1.5,2,2.5,3,4", help="arrival rates, requests per second")
+    p.add_argument("--rates", default="0.4,0.6,0.8,1,1.2,1.5,2,2.5", help="arrival rates, requests per second")
     p.add_argument("--ttft-factor", type=float, default=10.0)
     p.add_argument("--tpot-factor", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
