@@ -29,6 +29,11 @@ def add_args(p) -> None:
     p.add_argument("--budget", type=float, default=0.25)
 
 
+def step_seconds(first_ts: float, last_ts: float, tokens: int) -> float:
+    """vLLM's per-request decode step time: first to last token over the steps between them."""
+    return (last_ts - first_ts) / max(tokens - 1, 1)
+
+
 def _modes(budget: float) -> dict[str, tuple[str, dict | None]]:
     return {"stock": ("stock", None), "off": ("off", None),
             "vtoken-noevict": ("vtoken", {"policy": "streaming", "budget": 10 ** 9}),
@@ -54,7 +59,7 @@ def _stock_batch(model_dir: str, prompts, m: int, kw: dict):
         seconds = time.perf_counter() - t0
     finally:
         llm.llm_engine.engine_core.shutdown()
-    steps = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / max(len(o.outputs[0].token_ids) - 1, 1)
+    steps = [step_seconds(o.metrics.first_token_ts, o.metrics.last_token_ts, len(o.outputs[0].token_ids))
              for o in outs]
     return seconds, float(np.mean(steps)), {}
 
@@ -76,7 +81,7 @@ def run(args) -> dict:
             with Engine(model_dir, mode, cfg, **kw) as e:
                 b = e.batch(prompts, m)
             seconds, engine = b.seconds, b.engine
-            step = float(np.mean([(s.last_token_ts - s.first_token_ts) / max(len(s.output_tokens) - 1, 1)
+            step = float(np.mean([step_seconds(s.first_token_ts, s.last_token_ts, len(s.output_tokens))
                                   for s in b.served]))
         rows.append({"mode": label, "seconds": seconds, "ms_per_step": 1000 * step,
                      "compaction_seconds": engine.get("compaction_seconds", 0.0),

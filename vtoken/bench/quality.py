@@ -35,7 +35,7 @@ def add_args(p) -> None:
 
 
 # ---------------------------------------------------------------------------------------- perplexity
-def _stats(attn, live_n: int) -> np.ndarray:
+def _stats(attn) -> np.ndarray:
     """Attention each key received this step, summed over layers and heads (what the scorer sums)."""
     return sum(a[0, :, -1, :].sum(0) for a in attn).float().numpy()
 
@@ -66,7 +66,7 @@ def perplexity(model, ids: list[int], ctx: int, policy) -> float:
             out = model(input_ids=torch.tensor([[ids[n]]]), position_ids=torch.tensor([[n]]), attention_mask=mask,
                         past_key_values=cache, use_cache=True, output_attentions=bool(policy and policy.needs))
             if policy is not None and policy.needs:
-                w = _stats(out.attentions, n + 1)
+                w = _stats(out.attentions)
                 acc[:n + 1] += w
                 share = w / (len(out.attentions) * out.attentions[0].shape[1])
                 hot = (share > 1.0 / live[:n + 1].sum()).astype(np.int64)

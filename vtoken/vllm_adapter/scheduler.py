@@ -113,10 +113,10 @@ class VTokenScheduler(Scheduler):
             table = self.vt_tables.get(rid)
             if table is None:
                 table = self.vt_tables[rid] = TokenTable(self.vt_bs)
-                self.vt_records[rid] = RequestRecord(rid, request_seed(_external_id(rid)))
-            policy = self.vt_req_policy.get(rid) or self._policy_for(request)
-            record = self.vt_records[rid]
-            record.policy, record.budget = policy.name, policy.budget
+                p = self._policy_for(request)
+                self.vt_records[rid] = RequestRecord(rid, request_seed(_external_id(rid)), policy=p.name,
+                                                     budget=p.budget)
+            policy = self.vt_req_policy[rid]
             new = request.num_computed_tokens - table.num_logical
             if new < 0:
                 raise RuntimeError(f"vtoken: request {rid} has {request.num_computed_tokens} computed tokens but "
