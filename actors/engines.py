@@ -10,18 +10,29 @@ from __future__ import annotations
 import asyncio
 import math
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 # Figures a replica reports; engines fill what they know, the rest stay 0.
-REPORT_KEYS = ("free_blocks", "total_blocks", "kv_cache_usage", "running", "waiting", "live_tokens",
-               "blocks_reclaimed", "blocks_freed", "retained_blocks")
+REPORT_KEYS = (
+    "free_blocks",
+    "total_blocks",
+    "kv_cache_usage",
+    "running",
+    "waiting",
+    "live_tokens",
+    "blocks_reclaimed",
+    "blocks_freed",
+    "retained_blocks",
+)
 
 
 @dataclass(frozen=True)
 class GenerateSpec:
     """One request as it crosses from the gateway to a replica: token ids in, sampling as a plain dict
     of ``vllm.SamplingParams`` fields (temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -29,6 +40,7 @@ class GenerateSpec:
 
 class Chunk(NamedTuple):
     """A streamed delta; ``error`` is set (and nothing else) when the engine refused the request."""
+
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finished: bool = False
@@ -58,8 +70,9 @@ class FakeEngine(Engine):
     """Emits one token per ``token_delay_s``; a request waits until its peak blocks
     (prompt + max_tokens) are free, then holds them to the end. Token i of a request is ``i % 97``."""
 
-    def __init__(self, total_blocks: int = 64, block_size: int = 32, token_delay_s: float = 0.01,
-                 reclaim_fraction: float = 0.0):
+    def __init__(
+        self, total_blocks: int = 64, block_size: int = 32, token_delay_s: float = 0.01, reclaim_fraction: float = 0.0
+    ):
         self.total_blocks, self.block_size, self.delay = total_blocks, block_size, token_delay_s
         self.reclaim_fraction = reclaim_fraction
         self.held: dict[str, int] = {}
@@ -110,11 +123,18 @@ class FakeEngine(Engine):
 
     async def stats(self) -> dict[str, Any]:
         held = sum(self.held.values())
-        return {"free_blocks": self.total_blocks - held, "total_blocks": self.total_blocks,
-                "kv_cache_usage": held / self.total_blocks, "running": len(self.held),
-                "waiting": len(self.waiting), "live_tokens": sum(self.live.values()),
-                "blocks_reclaimed": int(held * self.reclaim_fraction), "blocks_freed": self.freed,
-                "retained_blocks": held, "admitted": sorted(self.held)}
+        return {
+            "free_blocks": self.total_blocks - held,
+            "total_blocks": self.total_blocks,
+            "kv_cache_usage": held / self.total_blocks,
+            "running": len(self.held),
+            "waiting": len(self.waiting),
+            "live_tokens": sum(self.live.values()),
+            "blocks_reclaimed": int(held * self.reclaim_fraction),
+            "blocks_freed": self.freed,
+            "retained_blocks": held,
+            "admitted": sorted(self.held),
+        }
 
 
 class VLLMEngine(Engine):
@@ -147,8 +167,9 @@ class VLLMEngine(Engine):
 
         try:
             params = SamplingParams(**spec.sampling, output_kind=RequestOutputKind.DELTA)
-            stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids)), params,
-                                       spec.request_id)
+            stream = self.llm.generate(
+                TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids)), params, spec.request_id
+            )
             first = await anext(stream)
         except (ValueError, TypeError) as e:  # vLLM's own validation (length, sampling values)
             yield Chunk(error=str(e))
@@ -190,6 +211,7 @@ ENGINES: dict[str, Callable[..., Engine]] = {"fake": FakeEngine, "vllm": VLLMEng
 @dataclass(frozen=True)
 class EngineFactory:
     """A picklable recipe: Ray ships it to the replica, which calls it (in a thread) to build its engine."""
+
     kind: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 

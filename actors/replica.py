@@ -4,10 +4,11 @@ Lifecycle: the constructor only stores its arguments, so a Ray restart (``max_re
 controller decides when to build the engine: ``start()`` builds it (idempotent; in a thread, so pings keep
 answering during the ~30 s vLLM start) and begins reporting. Reports go to the controller at least every
 ``report_interval_s`` and at once when the pool changes by ``change_fraction`` of its blocks or the
-running/waiting counts or the admitted requests change. ``incarnation`` changes with every process, so the controller can tell a
-restarted replica from a late report of the dead one. A report's ``admitted`` lists the requests whose blocks
-its figures count: the controller keeps a request's promise until then, so its blocks are never counted twice
-(promise and ``free_blocks``) nor not at all (promise dropped, figures older than the admission).
+running/waiting counts or the admitted requests change. ``incarnation`` changes with every process, so the
+controller can tell a restarted replica from a late report of the dead one. A report's ``admitted`` lists the
+requests whose blocks its figures count: the controller keeps a request's promise until then, so its blocks
+are never counted twice (promise and ``free_blocks``)
+nor not at all (promise dropped, figures older than the admission).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from actors.engines import Chunk, Engine, EngineFactory, GenerateSpec
 
@@ -28,8 +30,15 @@ class Replica:
     """Invariants: a request is in ``inflight`` exactly while its generator runs; after ``drain()`` returns,
     no request is in flight and new ones are refused; a cancelled or aborted request is aborted in the engine."""
 
-    def __init__(self, name: str, factory: EngineFactory, controller: Any = None,
-                 report_interval_s: float = 1.0, change_fraction: float = 0.05, poll_s: float = 0.2):
+    def __init__(
+        self,
+        name: str,
+        factory: EngineFactory,
+        controller: Any = None,
+        report_interval_s: float = 1.0,
+        change_fraction: float = 0.05,
+        poll_s: float = 0.2,
+    ):
         self.name, self.factory, self.controller = name, factory, controller
         self.report_interval_s, self.change_fraction, self.poll_s = report_interval_s, change_fraction, poll_s
         self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -51,8 +60,13 @@ class Replica:
         return self.incarnation
 
     async def ping(self) -> dict[str, Any]:
-        return {"name": self.name, "incarnation": self.incarnation, "ready": self.engine is not None,
-                "draining": self.draining, "inflight": len(self.inflight)}
+        return {
+            "name": self.name,
+            "incarnation": self.incarnation,
+            "ready": self.engine is not None,
+            "draining": self.draining,
+            "inflight": len(self.inflight),
+        }
 
     async def drain(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Refuse new requests, wait for the in-flight ones (abort what is left at the timeout), report."""
@@ -97,16 +111,26 @@ class Replica:
     async def report(self) -> dict[str, Any]:
         """The current figures: the engine's pool statistics plus health."""
         stats = await self.engine.stats() if self.engine is not None else {}
-        return {**stats, "name": self.name, "incarnation": self.incarnation, "healthy": self.engine is not None,
-                "draining": self.draining, "inflight": len(self.inflight), "time": time.time()}
+        return {
+            **stats,
+            "name": self.name,
+            "incarnation": self.incarnation,
+            "healthy": self.engine is not None,
+            "draining": self.draining,
+            "inflight": len(self.inflight),
+            "time": time.time(),
+        }
 
     def _changed(self, r: dict[str, Any]) -> bool:
         last = self._last
         if not last or r.get("admitted") != last.get("admitted"):
             return True
         step = max(1, int(self.change_fraction * max(r.get("total_blocks", 0), 1)))
-        return (abs(r.get("free_blocks", 0) - last.get("free_blocks", 0)) >= step
-                or r.get("running") != last.get("running") or r.get("waiting") != last.get("waiting"))
+        return (
+            abs(r.get("free_blocks", 0) - last.get("free_blocks", 0)) >= step
+            or r.get("running") != last.get("running")
+            or r.get("waiting") != last.get("waiting")
+        )
 
     async def _report_loop(self) -> None:
         sent_at = 0.0

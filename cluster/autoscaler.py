@@ -36,8 +36,9 @@ class Autoscaler:
     in_since: float | None = None
     last_decision: float = float("-inf")
 
-    def decide(self, now: float, replicas: list[ReplicaView], current: int, limit: int | None = None
-               ) -> Decision | None:
+    def decide(
+        self, now: float, replicas: list[ReplicaView], current: int, limit: int | None = None
+    ) -> Decision | None:
         """``replicas``: the live ones with reports; ``current``: the target count now; ``limit``: the most
         replicas the machine or cluster can hold (None: max_replicas)."""
         hi = min(self.cfg.max_replicas, limit if limit is not None else self.cfg.max_replicas)
@@ -57,14 +58,19 @@ class Autoscaler:
         if now - self.last_decision < self.cfg.cooldown_s:
             return None
         if want_out and now - self.out_since >= self.cfg.sustain_s and current < hi:
-            why = (f"{waiting} waiting" if waiting else "") or \
-                f"effective free {eff_free}/{total} blocks < low watermark {self.cfg.low_watermark:.0%}"
+            why = (
+                f"{waiting} waiting" if waiting else ""
+            ) or f"effective free {eff_free}/{total} blocks < low watermark {self.cfg.low_watermark:.0%}"
             return self._decided(now, current, current + 1, f"scale out: {why} for {now - self.out_since:.0f}s")
         if want_in and now - self.in_since >= self.cfg.sustain_s and current > self.cfg.min_replicas:
-            return self._decided(now, current, current - 1,
-                                 f"scale in: effective free {eff_free} blocks ({reclaimed} of them reclaimed by "
-                                 f"vToken) exceeds one replica ({per_replica:.0f}) by {self.cfg.scale_in_margin:.0%} "
-                                 f"for {now - self.in_since:.0f}s")
+            return self._decided(
+                now,
+                current,
+                current - 1,
+                f"scale in: effective free {eff_free} blocks ({reclaimed} of them reclaimed by "
+                f"vToken) exceeds one replica ({per_replica:.0f}) by {self.cfg.scale_in_margin:.0%} "
+                f"for {now - self.in_since:.0f}s",
+            )
         if current > hi:
             return self._decided(now, current, hi, f"scale in: over the limit of {hi} replicas")
         return None

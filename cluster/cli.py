@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -43,8 +42,11 @@ def add_cli(sub) -> None:
 
 
 def _client_args(p) -> None:
-    p.add_argument("--server", default=os.environ.get("VTOKEN_SERVER", DEFAULT_SERVER),
-                   help="gateway host:port (env VTOKEN_SERVER)")
+    p.add_argument(
+        "--server",
+        default=os.environ.get("VTOKEN_SERVER", DEFAULT_SERVER),
+        help="gateway host:port (env VTOKEN_SERVER)",
+    )
     p.add_argument("--token-env", default="VTOKEN_TOKEN", help="env variable with the bearer token, if any")
     p.add_argument("--ca", help="PEM CA certificate: connect with TLS")
 
@@ -95,8 +97,16 @@ def _generate(args) -> int:
     except grpc.RpcError as e:
         return _rpc_error(e)
     if args.json:
-        print(json.dumps({"text": "".join(text), "token_ids": ids, "replica": last.replica if last else "",
-                          "finish_reason": last.finish_reason if last else ""}))
+        print(
+            json.dumps(
+                {
+                    "text": "".join(text),
+                    "token_ids": ids,
+                    "replica": last.replica if last else "",
+                    "finish_reason": last.finish_reason if last else "",
+                }
+            )
+        )
     else:
         print()
     return 0
@@ -139,7 +149,9 @@ def _serve(args) -> int:
     try:
         cfg = load_config(args.config)
         if args.host is not None or args.port is not None:
-            gw = cfg.gateway.model_dump() | {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+            gw = cfg.gateway.model_dump() | {
+                k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
+            }
             cfg = type(cfg)(**(cfg.model_dump() | {"gateway": gw}))
     except (ConfigError, ValueError) as e:
         print(f"vtoken serve: {e}", file=sys.stderr)
@@ -160,8 +172,11 @@ async def _serve_async(cfg, args) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with serving(cfg, local=local) as s:
-            print(f"vtoken: serving {cfg.model} on {cfg.gateway.host}:{s.port} ({cfg.replicas} replicas, "
-                  f"placement {cfg.placement.strategy}); Ctrl-C stops", flush=True)
+            print(
+                f"vtoken: serving {cfg.model} on {cfg.gateway.host}:{s.port} ({cfg.replicas} replicas, "
+                f"placement {cfg.placement.strategy}); Ctrl-C stops",
+                flush=True,
+            )
             if args.port_file:
                 with open(args.port_file + ".tmp", "w") as f:
                     f.write(str(s.port))

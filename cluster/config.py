@@ -24,13 +24,17 @@ class _Strict(BaseModel):
 
 
 class EngineConfig(_Strict):
-    kind: Literal["vllm", "fake"] = Field("vllm", description="vllm: a vToken-enabled AsyncLLM. fake: an in-process "
-                                          "stand-in with the same block accounting (tests, demos)")
+    kind: Literal["vllm", "fake"] = Field(
+        "vllm",
+        description="vllm: a vToken-enabled AsyncLLM. fake: an in-process "
+        "stand-in with the same block accounting (tests, demos)",
+    )
     dtype: str = Field("float32", description="model dtype; float32 is fastest on CPUs without bf16 support")
     block_size: int = Field(32, gt=0, description="KV block size in tokens (a multiple of 32 on CPU)")
     max_model_len: int = Field(1024, gt=0, description="longest prompt + completion, tokens")
-    kv_cache_memory_bytes: int | None = Field(64 << 20, gt=0, description="KV pool size per replica; "
-                                              "null lets vLLM size it from gpu_memory_utilization")
+    kv_cache_memory_bytes: int | None = Field(
+        64 << 20, gt=0, description="KV pool size per replica; null lets vLLM size it from gpu_memory_utilization"
+    )
     enforce_eager: bool = Field(True, description="no CUDA graphs (vToken's score hooks run eagerly)")
     extra: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine argument")
     fake_total_blocks: int = Field(64, gt=0, description="fake engine only: blocks in the pool")
@@ -42,23 +46,32 @@ class ReplicaConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (1 on a GPU cluster)")
     max_restarts: int = Field(-1, ge=-1, description="Ray restarts a dead replica this many times (-1: always)")
     report_interval_s: float = Field(1.0, gt=0, le=10, description="longest gap between two reports")
-    change_fraction: float = Field(0.05, gt=0, le=1, description="report at once when free blocks move by this "
-                                   "fraction of the pool")
-    pin_cpus: bool = Field(False, description="CPU-only nodes: bind each replica's vLLM threads to cores of its "
-                           "own (VLLM_CPU_OMP_THREADS_BIND), num_cpus of them, so replicas run side by side like "
-                           "one device each instead of fighting over the same cores")
+    change_fraction: float = Field(
+        0.05, gt=0, le=1, description="report at once when free blocks move by this fraction of the pool"
+    )
+    pin_cpus: bool = Field(
+        False,
+        description="CPU-only nodes: bind each replica's vLLM threads to cores of its "
+        "own (VLLM_CPU_OMP_THREADS_BIND), num_cpus of them, so replicas run side by side like "
+        "one device each instead of fighting over the same cores",
+    )
 
 
 class PlacementConfig(_Strict):
     strategy: str = Field("free_blocks", description="free_blocks, round_robin or power_of_two")
-    stale_after_s: float = Field(3.0, gt=0, description="a report older than this is stale: the replica keeps "
-                                 "serving but its figures are only trusted with what was placed since")
+    stale_after_s: float = Field(
+        3.0,
+        gt=0,
+        description="a report older than this is stale: the replica keeps "
+        "serving but its figures are only trusted with what was placed since",
+    )
     dead_after_s: float = Field(6.0, gt=0, description="no report for this long: the replica is marked dead")
 
     @field_validator("strategy")
     @classmethod
     def _known(cls, v: str) -> str:
         from cluster.placement import STRATEGIES
+
         if v not in STRATEGIES:
             raise ValueError(f"unknown placement strategy {v!r}; known: {', '.join(sorted(STRATEGIES))}")
         return v
@@ -68,15 +81,22 @@ class AutoscalingConfig(_Strict):
     enabled: bool = Field(False, description="let the controller change the replica count")
     min_replicas: int = Field(1, ge=1, description="never fewer replicas")
     max_replicas: int = Field(4, ge=1, description="never more replicas (on one machine also: the local CPUs)")
-    low_watermark: float = Field(0.15, gt=0, lt=1, description="scale out when effective free capacity stays "
-                                 "under this fraction of all blocks")
-    scale_in_margin: float = Field(0.25, ge=0, description="scale in when effective free capacity exceeds one "
-                                   "replica's blocks by this fraction of it (hysteresis between the two thresholds)")
+    low_watermark: float = Field(
+        0.15, gt=0, lt=1, description="scale out when effective free capacity stays under this fraction of all blocks"
+    )
+    scale_in_margin: float = Field(
+        0.25,
+        ge=0,
+        description="scale in when effective free capacity exceeds one "
+        "replica's blocks by this fraction of it (hysteresis between the two thresholds)",
+    )
     sustain_s: float = Field(5.0, ge=0, description="a condition must hold this long before acting")
     cooldown_s: float = Field(30.0, ge=0, description="at least this long between two scaling decisions")
     request_resources: Literal["auto", "always", "never"] = Field(
-        "auto", description="ask Ray's autoscaler (ray.autoscaler.sdk.request_resources) for the replicas' "
-        "resources: auto = only when joined to a cluster with --address")
+        "auto",
+        description="ask Ray's autoscaler (ray.autoscaler.sdk.request_resources) for the replicas' "
+        "resources: auto = only when joined to a cluster with --address",
+    )
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -86,19 +106,21 @@ class AutoscalingConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    host: str = Field("127.0.0.1", description="bind address; anything but loopback needs TLS or "
-                      "allow_insecure_remote")
+    host: str = Field("127.0.0.1", description="bind address; anything but loopback needs TLS or allow_insecure_remote")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     tls_cert: str | None = Field(None, description="PEM certificate file")
     tls_key: str | None = Field(None, description="PEM private key file")
-    allow_insecure_remote: bool = Field(False, description="explicit opt-out: bind a non-loopback address "
-                                        "without TLS")
-    auth_token_env: str | None = Field(None, description="environment variable holding a bearer token that "
-                                       "every call must carry (authorization: Bearer <token>)")
+    allow_insecure_remote: bool = Field(False, description="explicit opt-out: bind a non-loopback address without TLS")
+    auth_token_env: str | None = Field(
+        None,
+        description="environment variable holding a bearer token that "
+        "every call must carry (authorization: Bearer <token>)",
+    )
     max_request_bytes: int = Field(1 << 20, gt=0, description="larger requests get RESOURCE_EXHAUSTED")
     max_prompt_chars: int = Field(65536, gt=0, description="longer prompts get INVALID_ARGUMENT before tokenizing")
-    max_inflight: int = Field(256, gt=0, description="requests admitted at once (running + queued); beyond, "
-                              "RESOURCE_EXHAUSTED")
+    max_inflight: int = Field(
+        256, gt=0, description="requests admitted at once (running + queued); beyond, RESOURCE_EXHAUSTED"
+    )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
 
@@ -107,8 +129,10 @@ class GatewayConfig(_Strict):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         if not _is_loopback(self.host) and self.tls_cert is None and not self.allow_insecure_remote:
-            raise ValueError(f"gateway host {self.host!r} is not loopback: set tls_cert and tls_key, or "
-                             "allow_insecure_remote: true to serve in clear text")
+            raise ValueError(
+                f"gateway host {self.host!r} is not loopback: set tls_cert and tls_key, or "
+                "allow_insecure_remote: true to serve in clear text"
+            )
         return self
 
 
@@ -120,11 +144,13 @@ class RayConfig(_Strict):
 
 class ServeConfig(_Strict):
     """The whole serving deployment. Unknown keys are errors, so typos never pass silently."""
+
     name: str = Field("vtoken", pattern=r"^[a-z0-9][a-z0-9-]*$", description="deployment name (actor names)")
     model: str = Field(..., description="a prepared model name (vtoken models list) or a model folder")
     replicas: int = Field(2, ge=1, description="replicas at start")
-    vtoken: dict[str, Any] = Field(default_factory=lambda: {"mode": "vtoken"},
-                                   description="VTokenConfig fields (mode, policy, budget, ...)")
+    vtoken: dict[str, Any] = Field(
+        default_factory=lambda: {"mode": "vtoken"}, description="VTokenConfig fields (mode, policy, budget, ...)"
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
@@ -136,12 +162,14 @@ class ServeConfig(_Strict):
     @classmethod
     def _vtoken(cls, v: dict[str, Any]) -> dict[str, Any]:
         from vtoken.vllm_adapter.config import VTokenConfig
+
         return VTokenConfig(**v).model_dump()
 
     def model_folder(self) -> str:
         if self.engine.kind == "fake" or Path(self.model).is_dir():
             return self.model
         from vtoken.models import model_path
+
         return str(model_path(self.model))
 
 

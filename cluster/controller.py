@@ -49,10 +49,18 @@ class ReplicaState:
 def engine_factory(cfg: ServeConfig) -> EngineFactory:
     e = cfg.engine
     if e.kind == "fake":
-        return EngineFactory("fake", {"total_blocks": e.fake_total_blocks, "block_size": e.block_size,
-                                      "token_delay_s": e.fake_token_delay_s})
-    args = {"dtype": e.dtype, "block_size": e.block_size, "max_model_len": e.max_model_len,
-            "enforce_eager": e.enforce_eager, "seed": 0, **e.extra}
+        return EngineFactory(
+            "fake",
+            {"total_blocks": e.fake_total_blocks, "block_size": e.block_size, "token_delay_s": e.fake_token_delay_s},
+        )
+    args = {
+        "dtype": e.dtype,
+        "block_size": e.block_size,
+        "max_model_len": e.max_model_len,
+        "enforce_eager": e.enforce_eager,
+        "seed": 0,
+        **e.extra,
+    }
     if e.kv_cache_memory_bytes:
         args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
     return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": args})
@@ -100,11 +108,19 @@ class Controller:
         r = self.cfg.replica
         cores = self._free_cores() if r.pin_cpus else None
         env = {**REPLICA_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
-        handle = ray.remote(Replica).options(
-            name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_restarts=r.max_restarts,
-            max_task_retries=0, max_concurrency=10000, runtime_env={"env_vars": env},
-        ).remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s,
-                 r.change_fraction)
+        handle = (
+            ray.remote(Replica)
+            .options(
+                name=name,
+                num_cpus=r.num_cpus,
+                num_gpus=r.num_gpus,
+                max_restarts=r.max_restarts,
+                max_task_retries=0,
+                max_concurrency=10000,
+                runtime_env={"env_vars": env},
+            )
+            .remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s, r.change_fraction)
+        )
         st = ReplicaState(name, handle, died_at=died_at, cores=cores)
         self.replicas[name] = st
         st.task = asyncio.ensure_future(self._start_replica(st))
@@ -226,8 +242,9 @@ class Controller:
     async def scale(self, n: int) -> int:
         if n < 1:
             raise ValueError("replicas must be >= 1")
-        self.decisions.append({"time": time.time(), "from_replicas": self.target, "to_replicas": n,
-                               "reason": "manual (vtoken scale)"})
+        self.decisions.append(
+            {"time": time.time(), "from_replicas": self.target, "to_replicas": n, "reason": "manual (vtoken scale)"}
+        )
         self._set_target(n)
         return n
 
@@ -237,7 +254,7 @@ class Controller:
             self._create()
         if len(active) > self.target:  # drain the least busy (a dead one first)
             order = sorted(active, key=lambda s: (s.state == "healthy", s.report.get("running", 0)))
-            for st in order[:len(active) - self.target]:
+            for st in order[: len(active) - self.target]:
                 asyncio.ensure_future(self._drain(st))
 
     # ------------------------------------------------------------------ placement
@@ -245,11 +262,20 @@ class Controller:
         now, promised = time.monotonic(), collections.Counter()
         for name, blocks in self.promises.values():
             promised[name] += blocks
-        return [ReplicaView(st.name, int(st.report.get("free_blocks", 0)), int(st.report.get("total_blocks", 0)),
-                            promised[st.name], int(st.report.get("running", 0)), int(st.report.get("waiting", 0)),
-                            int(st.report.get("blocks_reclaimed", 0)),
-                            now - st.reported_at > self.cfg.placement.stale_after_s)
-                for st in self.replicas.values() if st.state == "healthy"]
+        return [
+            ReplicaView(
+                st.name,
+                int(st.report.get("free_blocks", 0)),
+                int(st.report.get("total_blocks", 0)),
+                promised[st.name],
+                int(st.report.get("running", 0)),
+                int(st.report.get("waiting", 0)),
+                int(st.report.get("blocks_reclaimed", 0)),
+                now - st.reported_at > self.cfg.placement.stale_after_s,
+            )
+            for st in self.replicas.values()
+            if st.state == "healthy"
+        ]
 
     async def place(self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = ()) -> tuple | None:
         """(name, handle) of the replica chosen for the request, or None if no replica can take it now."""
@@ -263,8 +289,9 @@ class Controller:
     async def set_placement(self, strategy: str) -> None:
         """Switch the strategy live (side-by-side measurements on the same replicas)."""
         self.strategy = make_strategy(strategy)
-        self.cfg = self.cfg.model_copy(update={"placement": self.cfg.placement.model_copy(
-            update={"strategy": strategy})})
+        self.cfg = self.cfg.model_copy(
+            update={"placement": self.cfg.placement.model_copy(update={"strategy": strategy})}
+        )
 
     async def finished(self, request_id: str) -> None:
         """The request is over (done, failed or cancelled): whatever it held is free or will be reported so."""
@@ -272,4 +299,5 @@ class Controller:
 
     async def status(self) -> dict[str, Any]:
         from cluster.status import cluster_status
+
         return cluster_status(self)

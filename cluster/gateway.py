@@ -13,8 +13,9 @@ import asyncio
 import hmac
 import logging
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
 import ray
@@ -50,25 +51,39 @@ class Gateway:
             raise ValueError(f"auth_token_env is {self.g.auth_token_env} but that variable is not set")
         self.server = grpc.aio.server(
             interceptors=[BearerAuth(token)] if token else [],
-            options=[("grpc.max_receive_message_length", self.g.max_request_bytes)])
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                self.generate, response_serializer=pb.GenerateResponse.SerializeToString),
-            "GetClusterStatus": grpc.unary_unary_rpc_method_handler(
-                self.get_cluster_status, request_deserializer=pb.ClusterStatusRequest.FromString,
-                response_serializer=pb.ClusterStatus.SerializeToString),
-            "Scale": grpc.unary_unary_rpc_method_handler(
-                self.scale, request_deserializer=pb.ScaleRequest.FromString,
-                response_serializer=pb.ScaleResponse.SerializeToString),
-        }),))
+            options=[("grpc.max_receive_message_length", self.g.max_request_bytes)],
+        )
+        self.server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Generate": grpc.unary_stream_rpc_method_handler(
+                            self.generate, response_serializer=pb.GenerateResponse.SerializeToString
+                        ),
+                        "GetClusterStatus": grpc.unary_unary_rpc_method_handler(
+                            self.get_cluster_status,
+                            request_deserializer=pb.ClusterStatusRequest.FromString,
+                            response_serializer=pb.ClusterStatus.SerializeToString,
+                        ),
+                        "Scale": grpc.unary_unary_rpc_method_handler(
+                            self.scale,
+                            request_deserializer=pb.ScaleRequest.FromString,
+                            response_serializer=pb.ScaleResponse.SerializeToString,
+                        ),
+                    },
+                ),
+            )
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server
+        )
         addr = f"{self.g.host}:{self.g.port}"
         if self.g.tls_cert:
-            creds = grpc.ssl_server_credentials([(Path(self.g.tls_key).read_bytes(),
-                                                  Path(self.g.tls_cert).read_bytes())])
+            creds = grpc.ssl_server_credentials(
+                [(Path(self.g.tls_key).read_bytes(), Path(self.g.tls_cert).read_bytes())]
+            )
             port = self.server.add_secure_port(addr, creds)
         else:
             port = self.server.add_insecure_port(addr)
@@ -93,8 +108,10 @@ class Gateway:
 
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
         if self.inflight >= self.g.max_inflight:
-            await context.abort(Code.RESOURCE_EXHAUSTED, f"server busy: {self.inflight} requests in flight "
-                                f"(limit {self.g.max_inflight}); retry later")
+            await context.abort(
+                Code.RESOURCE_EXHAUSTED,
+                f"server busy: {self.inflight} requests in flight (limit {self.g.max_inflight}); retry later",
+            )
         try:
             req = validate(parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars)
         except BadRequest as e:
@@ -111,8 +128,9 @@ class Gateway:
         loop = asyncio.get_running_loop()
         limits = [t for t in (context.time_remaining(), req.deadline_s) if t is not None]
         deadline = loop.time() + min(limits) if limits else None
-        need = estimate_blocks(len(req.prompt_token_ids), req.sampling.max_tokens, self.cfg.engine.block_size,
-                               *(self._budget or ()))
+        need = estimate_blocks(
+            len(req.prompt_token_ids), req.sampling.max_tokens, self.cfg.engine.block_size, *(self._budget or ())
+        )
         spec = GenerateSpec(req.request_id, req.prompt_token_ids, _vllm_sampling(req.sampling))
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
@@ -128,7 +146,7 @@ class Gateway:
                     timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
                     try:
                         chunk = await asyncio.wait_for(_next(stream), timeout)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         await context.abort(Code.DEADLINE_EXCEEDED, "deadline exceeded")
                     if chunk is None:
                         done = True
@@ -140,10 +158,15 @@ class Gateway:
                         await context.abort(Code.INVALID_ARGUMENT, chunk.error)
                     streamed += 1
                     done = chunk.finished
-                    yield pb.GenerateResponse(request_id=req.request_id, replica=name, text=chunk.text,
-                                              token_ids=chunk.token_ids, finished=chunk.finished,
-                                              finish_reason=chunk.finish_reason,
-                                              prompt_tokens=len(req.prompt_token_ids))
+                    yield pb.GenerateResponse(
+                        request_id=req.request_id,
+                        replica=name,
+                        text=chunk.text,
+                        token_ids=chunk.token_ids,
+                        finished=chunk.finished,
+                        finish_reason=chunk.finish_reason,
+                        prompt_tokens=len(req.prompt_token_ids),
+                    )
                     if chunk.finished:
                         return
             except ray.exceptions.RayActorError as e:
@@ -202,8 +225,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(Code.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-                    if getattr(handler, k))
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         return getattr(grpc, f"{kind}_rpc_method_handler")(
-            deny, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )

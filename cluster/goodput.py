@@ -28,8 +28,9 @@ KV_BYTES = 45 * 64 * 1024
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
 
-def skewed_load(n: int, heavy_words: int = 450, heavy_tokens: int = 160, light_words: int = 8,
-                light_tokens: int = 16) -> list[tuple[str, int]]:
+def skewed_load(
+    n: int, heavy_words: int = 450, heavy_tokens: int = 160, light_words: int = 8, light_tokens: int = 16
+) -> list[tuple[str, int]]:
     """``n`` requests, heavy at even positions: (prompt, max_tokens)."""
     load = []
     for i in range(n):
@@ -40,8 +41,9 @@ def skewed_load(n: int, heavy_words: int = 450, heavy_tokens: int = 160, light_w
 
 def one_request(stub, prompt: str, max_tokens: int, deadline_s: float, metadata=()) -> dict[str, Any]:
     t0 = time.monotonic()
-    req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                       ignore_eos=True))
+    req = pb.GenerateRequest(
+        prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )
     tokens, replica, code = 0, "", "OK"
     try:
         for msg in stub.Generate(req, timeout=deadline_s, metadata=metadata):
@@ -66,14 +68,25 @@ def run_load(port: int, load: list[tuple[str, int]], deadline_s: float, gap_s: f
     for i, r in enumerate(results):
         if i % 2 == 0 and r["replica"]:
             per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
-    return {"completed_within_deadline": len(ok), "requests": len(results),
-            "codes": sorted({r["code"] for r in results}), "heavy_per_replica": per_replica,
-            "mean_latency_s": sum(r["seconds"] for r in ok) / len(ok) if ok else None,
-            "latencies_s": [round(r["seconds"], 2) if r["code"] == "OK" else r["code"] for r in results]}
+    return {
+        "completed_within_deadline": len(ok),
+        "requests": len(results),
+        "codes": sorted({r["code"] for r in results}),
+        "heavy_per_replica": per_replica,
+        "mean_latency_s": sum(r["seconds"] for r in ok) / len(ok) if ok else None,
+        "latencies_s": [round(r["seconds"], 2) if r["code"] == "OK" else r["code"] for r in results],
+    }
 
 
-def compare(served, controller_call, load, deadline_s: float | None = None, rounds: int = 1,
-            strategies=("free_blocks", "round_robin"), deadline_factor: float = 1.8) -> dict[str, Any]:
+def compare(
+    served,
+    controller_call,
+    load,
+    deadline_s: float | None = None,
+    rounds: int = 1,
+    strategies=("free_blocks", "round_robin"),
+    deadline_factor: float = 1.8,
+) -> dict[str, Any]:
     """``controller_call(coro_ref)`` waits for a controller call; returns goodput per strategy. Without
     ``deadline_s`` the deadline is ``deadline_factor`` times the latency of the first (heavy) request of the
     load served alone (the smaller of two tries, after a warm-up): long enough for one wave of heavy
@@ -89,8 +102,14 @@ def compare(served, controller_call, load, deadline_s: float | None = None, roun
             controller_call(served.controller.set_placement.remote(s))
             time.sleep(1.5)  # let the pools drain and fresh reports arrive
             out[s].append(run_load(served.port, load, deadline_s))
-    return {"deadline_s": deadline_s, "heavy_alone_s": alone, "requests": len(load), "rounds": rounds,
-            "goodput": {s: sum(r["completed_within_deadline"] for r in out[s]) for s in strategies}, "runs": out}
+    return {
+        "deadline_s": deadline_s,
+        "heavy_alone_s": alone,
+        "requests": len(load),
+        "rounds": rounds,
+        "goodput": {s: sum(r["completed_within_deadline"] for r in out[s]) for s in strategies},
+        "runs": out,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,19 +122,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--deadline", type=float, help="seconds (default: 1.8 x a heavy request's latency alone)")
-    ap.add_argument("--deadline-factor", type=float, default=1.8, help="without --deadline: this x a heavy "
-                    "request's latency alone")
+    ap.add_argument(
+        "--deadline-factor", type=float, default=1.8, help="without --deadline: this x a heavy request's latency alone"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kv-bytes", type=int, default=KV_BYTES)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    cfg = parse_config({"name": "goodput", "model": args.model, "replicas": 2,
-                        "engine": {"kv_cache_memory_bytes": args.kv_bytes},
-                        "replica": {"num_cpus": 0.5, "pin_cpus": True}, "gateway": {"port": 0}})
+    cfg = parse_config(
+        {
+            "name": "goodput",
+            "model": args.model,
+            "replicas": 2,
+            "engine": {"kv_cache_memory_bytes": args.kv_bytes},
+            "replica": {"num_cpus": 0.5, "pin_cpus": True},
+            "gateway": {"port": 0},
+        }
+    )
     start_ray(cfg)
     with BackgroundServer(cfg) as served:
-        result = compare(served, lambda ref: ray.get(ref), skewed_load(args.requests), args.deadline, args.rounds,
-                         deadline_factor=args.deadline_factor)
+        result = compare(
+            served,
+            lambda ref: ray.get(ref),
+            skewed_load(args.requests),
+            args.deadline,
+            args.rounds,
+            deadline_factor=args.deadline_factor,
+        )
     result.update(model=args.model, kv_cache_memory_bytes=args.kv_bytes)
     text = json.dumps(result, indent=2)
     print(text)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 class ReplicaView(NamedTuple):
     """What placement knows of a replica. ``promised`` counts blocks of requests placed there that its last
     report does not count yet (not admitted when its figures were read); ``effective_free`` subtracts them."""
+
     name: str
     free_blocks: int
     total_blocks: int
@@ -29,8 +31,9 @@ class ReplicaView(NamedTuple):
         return self.free_blocks - self.promised
 
 
-def estimate_blocks(prompt_tokens: int, max_tokens: int, block_size: int, budget: float | None = None,
-                    sink: int = 0, recent: int = 0) -> int:
+def estimate_blocks(
+    prompt_tokens: int, max_tokens: int, block_size: int, budget: float | None = None, sink: int = 0, recent: int = 0
+) -> int:
     """Peak blocks a request will hold. With a vToken budget the context is capped at the kept tokens
     (a ratio of the context, or a count, plus the protected sink and recent tokens) once eviction starts."""
     tokens = prompt_tokens + max_tokens
@@ -51,8 +54,10 @@ class FreeBlocks(PlacementStrategy):
     fresh replica has room for the request; ties go to the fewest waiting requests."""
 
     def choose(self, replicas, need_blocks):
-        return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, r.effective_free,
-                                            -r.waiting, -r.running))
+        return max(
+            replicas,
+            key=lambda r: (r.effective_free >= need_blocks, not r.stale, r.effective_free, -r.waiting, -r.running),
+        )
 
 
 class RoundRobin(PlacementStrategy):
@@ -76,7 +81,10 @@ class PowerOfTwo(PlacementStrategy):
 
 
 STRATEGIES: dict[str, Callable[[], PlacementStrategy]] = {
-    "free_blocks": FreeBlocks, "round_robin": RoundRobin, "power_of_two": PowerOfTwo}
+    "free_blocks": FreeBlocks,
+    "round_robin": RoundRobin,
+    "power_of_two": PowerOfTwo,
+}
 
 
 def make_strategy(name: str) -> PlacementStrategy:

@@ -19,6 +19,7 @@ class BadRequest(ValueError):
 
 class Sampling(BaseModel):
     """Sampling values accepted from clients (the fields of vllm.SamplingParams they map to)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
@@ -66,8 +67,9 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, max_prompt_
     try:
         sampling = Sampling(**fields, stop=list(s.stop), ignore_eos=s.ignore_eos)
     except ValidationError as e:
-        raise BadRequest("invalid sampling: " + "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+        raise BadRequest(
+            "invalid sampling: " + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        ) from None
     which = msg.WhichOneof("input")
     if which == "prompt":
         if not msg.prompt.strip():
@@ -88,8 +90,10 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, max_prompt_
     else:
         raise BadRequest("set either prompt or messages")
     if len(ids) + sampling.max_tokens > max_model_len:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
-                         f"context of {max_model_len} tokens")
+        raise BadRequest(
+            f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+            f"context of {max_model_len} tokens"
+        )
     deadline = msg.deadline_ms / 1000 if msg.deadline_ms > 0 else None
     if msg.deadline_ms < 0:
         raise BadRequest("deadline_ms must be >= 0")
@@ -103,6 +107,7 @@ class Tokenizer:
         self.tok = None
         if folder is not None:
             from transformers import AutoTokenizer
+
             self.tok = AutoTokenizer.from_pretrained(folder)
 
     def encode(self, text: str) -> list[int]:

@@ -1,9 +1,9 @@
 """Starting and stopping a whole deployment: Ray (embedded or joined), the controller actor, the gateway.
 
-    async with serving(cfg) as s:          # in an asyncio program (vtoken serve)
-        print(s.port)
-    with BackgroundServer(cfg) as s:       # from synchronous code (tests, the goodput script)
-        grpc.insecure_channel(f"127.0.0.1:{s.port}")
+async with serving(cfg) as s:          # in an asyncio program (vtoken serve)
+    print(s.port)
+with BackgroundServer(cfg) as s:       # from synchronous code (tests, the goodput script)
+    grpc.insecure_channel(f"127.0.0.1:{s.port}")
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import ray
 
@@ -31,8 +32,11 @@ def start_ray(cfg: ServeConfig, address: str | None = None) -> bool:
     address = address or cfg.ray.address
     if not ray.is_initialized():
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        kw: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": False,
-                              "runtime_env": {"env_vars": REPLICA_ENV}}
+        kw: dict[str, Any] = {
+            "namespace": cfg.ray.namespace,
+            "include_dashboard": False,
+            "runtime_env": {"env_vars": REPLICA_ENV},
+        }
         if address:
             ray.init(address=address, **kw)
         else:
@@ -52,8 +56,11 @@ class Served:
 async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float = 600) -> AsyncIterator[Served]:
     """Controller + replicas + gateway; on exit the gateway stops, every replica drains, and ``final_reports``
     holds each replica's last report (all blocks free after a clean drain)."""
-    ctl = ray.remote(Controller).options(name=f"{cfg.name}-controller", num_cpus=0, max_concurrency=10000
-                                         ).remote(cfg.model_dump(), local)
+    ctl = (
+        ray.remote(Controller)
+        .options(name=f"{cfg.name}-controller", num_cpus=0, max_concurrency=10000)
+        .remote(cfg.model_dump(), local)
+    )
     gateway = None
     try:
         healthy = await ctl.start.remote(start_timeout_s)
@@ -103,6 +110,7 @@ class BackgroundServer:
     def ray_call(self, ref, timeout: float = 60):
         async def wait():
             return await ref
+
         return self.call(wait(), timeout)
 
     def __exit__(self, *exc) -> None:

@@ -20,14 +20,24 @@ def ensure_ray():
     # what is left of the CPUs and take minutes to start. Tests run them at the same priority as the rest.
     os.environ.setdefault("RAY_worker_niceness", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, namespace="vtoken-tests", log_to_driver=False,
-                 runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}})
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            namespace="vtoken-tests",
+            log_to_driver=False,
+            runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}},
+        )
 
 
 def config(name: str, **over):
-    raw = {"name": name, "model": "fake", "replicas": 2, "replica": {"num_cpus": 0.25},
-           "engine": {"kind": "fake", "fake_total_blocks": 16, "fake_token_delay_s": 0.01},
-           "gateway": {"port": 0}}
+    raw = {
+        "name": name,
+        "model": "fake",
+        "replicas": 2,
+        "replica": {"num_cpus": 0.25},
+        "engine": {"kind": "fake", "fake_total_blocks": 16, "fake_token_delay_s": 0.01},
+        "gateway": {"port": 0},
+    }
     for k, v in over.items():
         raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v
     return parse_config(raw)
@@ -44,6 +54,7 @@ def generate(st, prompt="hello there", max_tokens=8, timeout=60, metadata=(), **
 
 def status(st, metadata=()):
     from cluster.status import from_proto
+
     return from_proto(st.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30, metadata=metadata))
 
 

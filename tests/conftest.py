@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def _has_cuda() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except Exception:
         return False

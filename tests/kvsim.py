@@ -28,11 +28,24 @@ class SimRequest:
 
 
 class KVSim:
-    def __init__(self, num_blocks=64, block_size=4, layers=2, heads=2, head_size=8, layout="cpu",
-                 planner=plan_compaction, mover=None, seed=0):
+    def __init__(
+        self,
+        num_blocks=64,
+        block_size=4,
+        layers=2,
+        heads=2,
+        head_size=8,
+        layout="cpu",
+        planner=plan_compaction,
+        mover=None,
+        seed=0,
+    ):
         self.bs, self.layers, self.heads, self.hs, self.layout = block_size, layers, heads, head_size, layout
-        shape = (num_blocks, heads, block_size * 2 * head_size) if layout == "cpu" else \
-            (num_blocks, heads, block_size, 2 * head_size)
+        shape = (
+            (num_blocks, heads, block_size * 2 * head_size)
+            if layout == "cpu"
+            else (num_blocks, heads, block_size, 2 * head_size)
+        )
         self.kv = [torch.zeros(shape) for _ in range(layers)]
         self.free = deque(range(num_blocks))
         self.reqs: dict[int, SimRequest] = {}
@@ -89,8 +102,9 @@ class KVSim:
         for r in self.reqs.values():
             plan = self.planner(r.table.physical_live_mask(), r.blocks, self.bs, r.num_protected)
             plans.append((r, plan))
-            batches.append(MoveBatch(to_global_slots(plan.src, r.blocks, self.bs),
-                                     to_global_slots(plan.dst, r.blocks, self.bs)))
+            batches.append(
+                MoveBatch(to_global_slots(plan.src, r.blocks, self.bs), to_global_slots(plan.dst, r.blocks, self.bs))
+            )
         batch = MoveBatch.concat(batches)
         self.mover.apply(self.kv, batch)
         for r, plan in plans:

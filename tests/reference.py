@@ -18,8 +18,9 @@ def load(model_dir: str, dtype=torch.float32):
     return model.eval()
 
 
-def masked_logprobs(model, prompt: list[int], output: list[int], evicted_pos: list[int],
-                    evicted_step: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def masked_logprobs(
+    model, prompt: list[int], output: list[int], evicted_pos: list[int], evicted_step: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Greedy tokens and log-probabilities of ``output`` under the eviction trace."""
     ids = torch.tensor([prompt + output[:-1]])
     n = ids.shape[1]
@@ -33,6 +34,6 @@ def masked_logprobs(model, prompt: list[int], output: list[int], evicted_pos: li
     mask[0, 0][~allowed] = torch.finfo(dtype).min
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits[0].float()
-    lp = torch.log_softmax(logits[p - 1:], dim=-1)
+    lp = torch.log_softmax(logits[p - 1 :], dim=-1)
     out = torch.tensor(output)
     return lp.argmax(-1).numpy(), lp[torch.arange(len(output)), out].numpy()

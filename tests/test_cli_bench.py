@@ -38,15 +38,20 @@ def test_bench_core_quick(tmp_path):
 
 # Structure, not numbers: each benchmark's --quick form on the tiny model writes JSON, Markdown and a plot.
 QUICK = {
-    "blocks": lambda o: {"summary", "rows", "reduction_range"} <= set(o)
-    and {s["policy"] for s in o["summary"]} == {"h2o", "scissorhands", "random", "streaming"}
-    and o["naive_engine_same_decisions"],
-    "concurrency": lambda o: [r["mode"] for r in o["results"]][:1] == ["off"]
-    and all(r["max_concurrency"] >= 1 for r in o["results"]),
+    "blocks": lambda o: (
+        {"summary", "rows", "reduction_range"} <= set(o)
+        and {s["policy"] for s in o["summary"]} == {"h2o", "scissorhands", "random", "streaming"}
+        and o["naive_engine_same_decisions"]
+    ),
+    "concurrency": lambda o: (
+        [r["mode"] for r in o["results"]][:1] == ["off"] and all(r["max_concurrency"] >= 1 for r in o["results"])
+    ),
     "sla": lambda o: set(o["modes"]) == {"off", "naive", "vtoken"} and o["sla"]["ttft"] > 0,
-    "overhead": lambda o: [r["mode"] for r in o["rows"]] == ["stock", "off", "vtoken-noevict", "vtoken-streaming",
-                                                             "vtoken-h2o", "naive-h2o"]
-    and all(r["ms_per_step"] > 0 for r in o["rows"]),
+    "overhead": lambda o: (
+        [r["mode"] for r in o["rows"]]
+        == ["stock", "off", "vtoken-noevict", "vtoken-streaming", "vtoken-h2o", "naive-h2o"]
+        and all(r["ms_per_step"] > 0 for r in o["rows"])
+    ),
     "quality": lambda o: "full" in o["perplexity"] and o["passkey"]["naive_equals_vtoken"],
     "footprint": lambda o: all(r["lines"] < 30 for r in o["policies"]) and o["metadata"]["bytes_per_token"] <= 8,
 }

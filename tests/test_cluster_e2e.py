@@ -28,9 +28,16 @@ def served():
     import ray
 
     ensure_ray()
-    cfg = parse_config({"name": "e2e", "model": "tiny-llama", "replicas": 2,
-                        "engine": {"kv_cache_memory_bytes": KV_BYTES, "max_model_len": 1024},
-                        "replica": {"num_cpus": 0.5, "pin_cpus": True}, "gateway": {"port": 0}})
+    cfg = parse_config(
+        {
+            "name": "e2e",
+            "model": "tiny-llama",
+            "replicas": 2,
+            "engine": {"kv_cache_memory_bytes": KV_BYTES, "max_model_len": 1024},
+            "replica": {"num_cpus": 0.5, "pin_cpus": True},
+            "gateway": {"port": 0},
+        }
+    )
     with BackgroundServer(cfg) as s:
         s.ray_get = ray.get
         yield s
@@ -44,12 +51,15 @@ def served():
 
 
 def test_streams_prompt_and_chat_over_grpc(served):
-    out = generate(stub(served.port), prompt="The capital of France is", max_tokens=12, temperature=0.0,
-                   ignore_eos=True)
+    out = generate(
+        stub(served.port), prompt="The capital of France is", max_tokens=12, temperature=0.0, ignore_eos=True
+    )
     assert sum(len(m.token_ids) for m in out) == 12 and out[-1].finished and out[-1].finish_reason == "length"
     assert len(out) > 1  # streamed, not one blob
-    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
-                              sampling=pb.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    chat = pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
+        sampling=pb.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    )
     out = list(stub(served.port).Generate(chat, timeout=60))
     assert sum(len(m.token_ids) for m in out) == 5
     st = status(stub(served.port))
@@ -65,14 +75,19 @@ def test_over_long_prompt_is_invalid_argument(served):
 
 def test_cancel_aborts_in_vllm_and_frees_blocks(served):
     s = stub(served.port)
-    call = s.Generate(pb.GenerateRequest(prompt="tell me a story " * 20, sampling=pb.SamplingParams(
-        max_tokens=800, ignore_eos=True)))
+    call = s.Generate(
+        pb.GenerateRequest(prompt="tell me a story " * 20, sampling=pb.SamplingParams(max_tokens=800, ignore_eos=True))
+    )
     next(call), next(call)
     wait_for(lambda: status(s)["totals"]["running"] >= 1, 10, 0.1, what="the request running in a report")
     call.cancel()
     t0 = time.monotonic()
-    wait_for(lambda: (lambda t: t["free_blocks"] == t["total_blocks"] and t["running"] == 0)(status(s)["totals"]),
-             15, 0.1, what="all blocks free after cancel")
+    wait_for(
+        lambda: (lambda t: t["free_blocks"] == t["total_blocks"] and t["running"] == 0)(status(s)["totals"]),
+        15,
+        0.1,
+        what="all blocks free after cancel",
+    )
     RESULTS["cancel_to_free_s"] = time.monotonic() - t0
 
 
@@ -86,9 +101,18 @@ def test_free_blocks_placement_beats_round_robin_on_a_skewed_load(served):
     RESULTS["goodput"] = result["goodput"]
     RESULTS["goodput_detail"] = {k: v for k, v in result.items() if k != "runs"}
     fb, rr = result["runs"]["free_blocks"][0], result["runs"]["round_robin"][0]
-    print("goodput", result["goodput"], "deadline %.1fs" % result["deadline_s"], "heavy alone %.1fs"
-          % result["heavy_alone_s"], "heavy per replica", fb["heavy_per_replica"], rr["heavy_per_replica"],
-          "latencies", fb["latencies_s"], rr["latencies_s"])
+    print(
+        "goodput",
+        result["goodput"],
+        f"deadline {result['deadline_s']:.1f}s",
+        f"heavy alone {result['heavy_alone_s']:.1f}s",
+        "heavy per replica",
+        fb["heavy_per_replica"],
+        rr["heavy_per_replica"],
+        "latencies",
+        fb["latencies_s"],
+        rr["latencies_s"],
+    )
     served.ray_get(served.controller.set_placement.remote("free_blocks"))
     assert len(rr["heavy_per_replica"]) == 1  # round robin piles every heavy request on one replica
     assert len(fb["heavy_per_replica"]) == 2  # placement by free blocks spreads them (3/3 or 4/2 measured)
@@ -107,18 +131,24 @@ def test_replica_killed_mid_load_loses_no_request_and_is_replaced(served):
     def one(i):
         tokens = 0
         try:
-            for m in s.Generate(pb.GenerateRequest(prompt=f"request {i} " * 30, sampling=pb.SamplingParams(
-                    max_tokens=120, ignore_eos=True)), timeout=240):
+            for m in s.Generate(
+                pb.GenerateRequest(
+                    prompt=f"request {i} " * 30, sampling=pb.SamplingParams(max_tokens=120, ignore_eos=True)
+                ),
+                timeout=240,
+            ):
                 tokens += len(m.token_ids)
             outcomes.append(("OK", tokens))
         except grpc.RpcError as e:
             outcomes.append((e.code().name, tokens))
+
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
         time.sleep(0.05)
-    victim = wait_for(lambda: next((r["name"] for r in status(s)["replicas"] if r["running"] > 0), None), 60,
-                      what="a busy replica")
+    victim = wait_for(
+        lambda: next((r["name"] for r in status(s)["replicas"] if r["running"] > 0), None), 60, what="a busy replica"
+    )
     ray.kill(ray.get_actor(victim), no_restart=False)  # the process dies; Ray restarts it
     t_kill = time.monotonic()
     late = [threading.Thread(target=one, args=(100 + i,)) for i in range(4)]  # arrive while it is down
@@ -129,8 +159,12 @@ def test_replica_killed_mid_load_loses_no_request_and_is_replaced(served):
     for code, tokens in outcomes:  # UNAVAILABLE only for streams already under way
         assert code == "OK" or (code == "UNAVAILABLE" and tokens > 0), outcomes
     assert sum(code == "OK" for code, _ in outcomes) >= 4 + 1
-    wait_for(lambda: all(r["state"] == "healthy" for r in status(s)["replicas"]) and len(status(s)["replicas"]) == 2,
-             240, 0.5, what="the killed replica serving again")
+    wait_for(
+        lambda: all(r["state"] == "healthy" for r in status(s)["replicas"]) and len(status(s)["replicas"]) == 2,
+        240,
+        0.5,
+        what="the killed replica serving again",
+    )
     RESULTS["kill_to_serving_s"] = time.monotonic() - t_kill
     RESULTS["controller_recovery_s"] = status(s)["last_recovery_s"]
     print("recovery", RESULTS)

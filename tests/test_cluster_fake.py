@@ -32,13 +32,16 @@ def test_streams_and_reports(served):
     assert len(st["replicas"]) == 2 and st["totals"]["total_blocks"] == 32
 
 
-@pytest.mark.parametrize("sampling, prompt, code, needle", [
-    ({}, "", Code.INVALID_ARGUMENT, "prompt is empty"),
-    ({"temperature": -0.5}, "hi", Code.INVALID_ARGUMENT, "temperature"),
-    ({"top_k": -7}, "hi", Code.INVALID_ARGUMENT, "top_k"),
-    ({"max_tokens": 2_000_000_000}, "hi", Code.INVALID_ARGUMENT, "exceeds the model's context"),
-    ({}, "x" * 5000, Code.RESOURCE_EXHAUSTED, ""),          # over max_request_bytes
-])
+@pytest.mark.parametrize(
+    "sampling, prompt, code, needle",
+    [
+        ({}, "", Code.INVALID_ARGUMENT, "prompt is empty"),
+        ({"temperature": -0.5}, "hi", Code.INVALID_ARGUMENT, "temperature"),
+        ({"top_k": -7}, "hi", Code.INVALID_ARGUMENT, "top_k"),
+        ({"max_tokens": 2_000_000_000}, "hi", Code.INVALID_ARGUMENT, "exceeds the model's context"),
+        ({}, "x" * 5000, Code.RESOURCE_EXHAUSTED, ""),  # over max_request_bytes
+    ],
+)
 def test_bad_input_is_refused_and_the_server_keeps_serving(served, sampling, prompt, code, needle):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub(served.port), prompt=prompt, **sampling)
@@ -46,9 +49,13 @@ def test_bad_input_is_refused_and_the_server_keeps_serving(served, sampling, pro
     assert generate(stub(served.port), max_tokens=2)[-1].finished
 
 
-@pytest.mark.parametrize("raw, needle", [(b"\x12\xff\xff", "malformed"),
-                                         (pb.GenerateRequest(prompt="hi").SerializeToString() + b"\xa8\x06\x01",
-                                          "unknown field")])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b"\x12\xff\xff", "malformed"),
+        (pb.GenerateRequest(prompt="hi").SerializeToString() + b"\xa8\x06\x01", "unknown field"),
+    ],
+)
 def test_malformed_and_unknown_fields(served, raw, needle):
     ch = grpc.insecure_channel(f"127.0.0.1:{served.port}")
     call = ch.unary_stream("/vtoken.v1.VToken/Generate", request_serializer=None, response_deserializer=None)
@@ -66,6 +73,7 @@ def test_overload_is_bounded(served):
             results.append("OK")
         except grpc.RpcError as e:
             results.append(e.code().name)
+
     threads = [threading.Thread(target=one) for _ in range(16)]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
@@ -78,14 +86,20 @@ def test_cancel_and_deadline_free_blocks(served):
     call = s.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=500)))
     next(call), next(call)
     call.cancel()
-    wait_for(lambda: status(s)["totals"]["free_blocks"] == 32 and status(s)["totals"]["running"] == 0,
-             10, what="blocks back after cancel")
+    wait_for(
+        lambda: status(s)["totals"]["free_blocks"] == 32 and status(s)["totals"]["running"] == 0,
+        10,
+        what="blocks back after cancel",
+    )
     with pytest.raises(grpc.RpcError) as e:
         generate(s, max_tokens=500, timeout=0.5)
     assert e.value.code() == Code.DEADLINE_EXCEEDED
     with pytest.raises(grpc.RpcError) as e:
-        list(s.Generate(pb.GenerateRequest(prompt="hi", deadline_ms=300,
-                                           sampling=pb.SamplingParams(max_tokens=500)), timeout=30))
+        list(
+            s.Generate(
+                pb.GenerateRequest(prompt="hi", deadline_ms=300, sampling=pb.SamplingParams(max_tokens=500)), timeout=30
+            )
+        )
     assert e.value.code() == Code.DEADLINE_EXCEEDED
     wait_for(lambda: status(s)["totals"]["free_blocks"] == 32, 10, what="blocks back after deadlines")
 
@@ -97,8 +111,11 @@ def test_health_and_reflection(served):
     ch = grpc.insecure_channel(f"127.0.0.1:{served.port}")
     h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="vtoken.v1.VToken"), timeout=5)
     assert h.status == health_pb2.HealthCheckResponse.SERVING
-    resp = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    resp = next(
+        reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+    )
     assert "vtoken.v1.VToken" in {s.name for s in resp.list_services_response.service}
 
 
@@ -119,20 +136,36 @@ def test_bearer_token_on_every_call(monkeypatch):
 def test_live_scale_out_then_in_by_free_capacity():
     """Autoscaling on: a burst that fills the pool scales out (a new replica serves); idle capacity scales in."""
     ensure_ray()
-    cfg = config("fake-auto", replicas=1, engine={"fake_token_delay_s": 0.02},
-                 autoscaling={"enabled": True, "min_replicas": 1, "max_replicas": 2, "sustain_s": 0.5,
-                              "cooldown_s": 2, "low_watermark": 0.3})
+    cfg = config(
+        "fake-auto",
+        replicas=1,
+        engine={"fake_token_delay_s": 0.02},
+        autoscaling={
+            "enabled": True,
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "sustain_s": 0.5,
+            "cooldown_s": 2,
+            "low_watermark": 0.3,
+        },
+    )
     with BackgroundServer(cfg) as s:
         st = stub(s.port)
-        threads = [threading.Thread(target=generate, args=(st,), kwargs={"max_tokens": 150, "prompt": "x" * 100})
-                   for _ in range(6)]
+        threads = [
+            threading.Thread(target=generate, args=(st,), kwargs={"max_tokens": 150, "prompt": "x" * 100})
+            for _ in range(6)
+        ]
         [t.start() for t in threads]
-        grown = wait_for(lambda: (lambda x: x if sum(r["state"] == "healthy" for r in x["replicas"]) == 2
-                                  else None)(status(st)), 60, what="scale out to 2 healthy replicas")
+        grown = wait_for(
+            lambda: (lambda x: x if sum(r["state"] == "healthy" for r in x["replicas"]) == 2 else None)(status(st)),
+            60,
+            what="scale out to 2 healthy replicas",
+        )
         assert any("scale out" in d["reason"] for d in grown["decisions"])
         [t.join(60) for t in threads]
-        shrunk = wait_for(lambda: (lambda x: x if len(x["replicas"]) == 1 else None)(status(st)), 60,
-                          what="scale in to 1 replica")
+        shrunk = wait_for(
+            lambda: (lambda x: x if len(x["replicas"]) == 1 else None)(status(st)), 60, what="scale in to 1 replica"
+        )
         assert any("scale in" in d["reason"] for d in shrunk["decisions"])
         assert generate(st, max_tokens=3)[-1].finished
     assert all(r["free_blocks"] == r["total_blocks"] for r in s.final_reports)
@@ -164,15 +197,24 @@ def test_killed_replica_loses_no_unstarted_request_and_serves_again(served):
             outcomes.append("OK")
         except grpc.RpcError as e:
             outcomes.append(e.code().name)
+
     threads = [threading.Thread(target=one) for _ in range(3)]  # max_inflight is 6
     [t.start() for t in threads]
-    victim = wait_for(lambda: next((r["name"] for r in status(s)["replicas"] if r["running"] > 0), None), 10,
-                      0.05, what="a busy replica")
+    victim = wait_for(
+        lambda: next((r["name"] for r in status(s)["replicas"] if r["running"] > 0), None),
+        10,
+        0.05,
+        what="a busy replica",
+    )
     ray.kill(ray.get_actor(victim), no_restart=False)
     late = [threading.Thread(target=one) for _ in range(3)]
     [t.start() for t in late]
     [t.join(60) for t in threads + late]
     assert len(outcomes) == 6 and set(outcomes) <= {"OK", "UNAVAILABLE"} and outcomes.count("OK") >= 3
-    wait_for(lambda: [r["state"] for r in status(s)["replicas"]] == ["healthy", "healthy"], 60, 0.2,
-             what="the killed replica serving again")
+    wait_for(
+        lambda: [r["state"] for r in status(s)["replicas"]] == ["healthy", "healthy"],
+        60,
+        0.2,
+        what="the killed replica serving again",
+    )
     assert 0 < status(s)["last_recovery_s"] < 60

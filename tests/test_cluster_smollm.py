@@ -18,12 +18,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.timeout(420)]
 
 
 def vtoken(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "vtoken.cli", *args], capture_output=True, text=True,
-                          timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "vtoken.cli", *args], capture_output=True, text=True, timeout=120, **kw
+    )
 
 
 def test_serve_generate_status_and_ctrl_c(tmp_path):
     from vtoken.models import model_path
+
     model_path("smollm2-135m")  # prepared, or a clear error
     cfg = yaml.safe_load(open("configs/serve.yaml"))
     cfg.update(name="smoke", model="smollm2-135m", replicas=1)
@@ -32,9 +34,24 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
     port_file = tmp_path / "port"
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "vtoken.cli", "serve", "--config", str(tmp_path / "serve.yaml"),
-                             "--port", "0", "--port-file", str(port_file)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vtoken.cli",
+            "serve",
+            "--config",
+            str(tmp_path / "serve.yaml"),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         t_end = time.monotonic() + 300
         while not port_file.exists():
@@ -42,8 +59,16 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
             assert time.monotonic() < t_end, "vtoken serve did not come up"
             time.sleep(1)
         server = f"127.0.0.1:{port_file.read_text()}"
-        out = vtoken("generate", "--server", server, "--max-tokens", "12", "--json",
-                     "--chat", "user:What is the capital of France?")
+        out = vtoken(
+            "generate",
+            "--server",
+            server,
+            "--max-tokens",
+            "12",
+            "--json",
+            "--chat",
+            "user:What is the capital of France?",
+        )
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout)
         assert len(got["token_ids"]) >= 1 and got["text"].strip(), got

@@ -25,16 +25,19 @@ def test_shipped_serve_configs_load():
         assert cfg.gateway.host == "127.0.0.1"
 
 
-@pytest.mark.parametrize("raw, needle", [
-    ({"model": "m", "replicas": 0}, "replicas"),
-    ({"model": "m", "placement": {"strategy": "fastest"}}, "unknown placement strategy 'fastest'"),
-    ({"model": "m", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3) > max_replicas"),
-    ({"model": "m", "gateway": {"host": "0.0.0.0"}}, "set tls_cert and tls_key, or allow_insecure_remote"),
-    ({"model": "m", "gateway": {"tls_cert": "c.pem"}}, "tls_cert and tls_key go together"),
-    ({"model": "m", "vtoken": {"policy": "nope"}}, "unknown eviction policy"),
-    ({"model": "m", "replicass": 2}, "replicass"),
-    ({"replicas": 2}, "model"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"model": "m", "replicas": 0}, "replicas"),
+        ({"model": "m", "placement": {"strategy": "fastest"}}, "unknown placement strategy 'fastest'"),
+        ({"model": "m", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3) > max_replicas"),
+        ({"model": "m", "gateway": {"host": "0.0.0.0"}}, "set tls_cert and tls_key, or allow_insecure_remote"),
+        ({"model": "m", "gateway": {"tls_cert": "c.pem"}}, "tls_cert and tls_key go together"),
+        ({"model": "m", "vtoken": {"policy": "nope"}}, "unknown eviction policy"),
+        ({"model": "m", "replicass": 2}, "replicass"),
+        ({"replicas": 2}, "model"),
+    ],
+)
 def test_bad_serve_config_is_a_clear_error(raw, needle):
     with pytest.raises(ConfigError, match="invalid serve config") as e:
         parse_config(raw)
@@ -48,9 +51,11 @@ def test_remote_bind_with_explicit_opt_out_or_tls():
 
 # ------------------------------------------------------------------------------ placement
 def views():
-    return [ReplicaView("a", free_blocks=100, total_blocks=128, promised=90),
-            ReplicaView("b", free_blocks=40, total_blocks=128),
-            ReplicaView("c", free_blocks=60, total_blocks=128, stale=True)]
+    return [
+        ReplicaView("a", free_blocks=100, total_blocks=128, promised=90),
+        ReplicaView("b", free_blocks=40, total_blocks=128),
+        ReplicaView("c", free_blocks=60, total_blocks=128, stale=True),
+    ]
 
 
 def test_free_blocks_counts_promised_blocks_and_distrusts_stale_reports():
@@ -78,8 +83,18 @@ def test_block_estimate_follows_the_vtoken_budget():
 
 # ------------------------------------------------------------------------------ autoscaler
 def scaler(**kw):
-    return Autoscaler(AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=4, low_watermark=0.2,
-                                        scale_in_margin=0.25, sustain_s=3, cooldown_s=10, **kw))
+    return Autoscaler(
+        AutoscalingConfig(
+            enabled=True,
+            min_replicas=1,
+            max_replicas=4,
+            low_watermark=0.2,
+            scale_in_margin=0.25,
+            sustain_s=3,
+            cooldown_s=10,
+            **kw,
+        )
+    )
 
 
 def rep(name, free, total=100, reclaimed=0, waiting=0, promised=0):
@@ -89,10 +104,10 @@ def rep(name, free, total=100, reclaimed=0, waiting=0, promised=0):
 def test_autoscaler_scales_out_only_after_low_capacity_is_sustained_then_cools_down():
     a, busy = scaler(), [rep("a", 10), rep("b", 15)]
     assert a.decide(0, busy, 2) is None
-    assert a.decide(2, busy, 2) is None                      # not sustained yet
+    assert a.decide(2, busy, 2) is None  # not sustained yet
     d = a.decide(3, busy, 2)
     assert d.to_replicas == 3 and "low watermark" in d.reason
-    assert a.decide(5, busy + [rep("c", 5)], 3) is None      # cool-down
+    assert a.decide(5, busy + [rep("c", 5)], 3) is None  # cool-down
     assert a.decide(9, busy + [rep("c", 5)], 3) is None
     assert a.decide(13.5, busy + [rep("c", 5)], 3).to_replicas == 4
     assert a.decide(30, busy + [rep("c", 5), rep("d", 5)], 4) is None  # at max_replicas
@@ -119,7 +134,7 @@ def test_autoscaler_scales_in_on_effective_free_with_hysteresis_and_never_adds_r
     assert a.decide(10, yes, 2) is None and a.decide(12, yes, 2) is None
     d = a.decide(13, yes, 2)
     assert d.to_replicas == 1 and "20 of them reclaimed" in d.reason
-    assert scaler().decide(100, yes, 1) is None or True      # never under min_replicas
+    assert scaler().decide(100, yes, 1) is None or True  # never under min_replicas
     lone = scaler()
     lone.decide(0, [rep("a", 100)], 1)
     assert lone.decide(5, [rep("a", 100)], 1) is None
@@ -137,21 +152,24 @@ def req(**kw):
     return pb.GenerateRequest(**kw).SerializeToString()
 
 
-@pytest.mark.parametrize("raw, needle", [
-    (req(prompt=""), "prompt is empty"),
-    (req(prompt="   "), "prompt is empty"),
-    (req(), "set either prompt or messages"),
-    (req(prompt="x" * 200), "characters; the limit is 100"),
-    (req(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
-    (req(prompt="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
-    (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
-    (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=10 ** 9)), "exceeds the model's context"),
-    (req(prompt="hi", deadline_ms=-5), "deadline_ms"),
-    (req(messages=pb.ChatMessages()), "messages is empty"),
-    (req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "chat message"),
-    (b"\xff\xff\xff", "malformed"),
-    (req(prompt="hi") + b"\xa8\x06\x01", "unknown field"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (req(prompt=""), "prompt is empty"),
+        (req(prompt="   "), "prompt is empty"),
+        (req(), "set either prompt or messages"),
+        (req(prompt="x" * 200), "characters; the limit is 100"),
+        (req(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+        (req(prompt="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
+        (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+        (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=10**9)), "exceeds the model's context"),
+        (req(prompt="hi", deadline_ms=-5), "deadline_ms"),
+        (req(messages=pb.ChatMessages()), "messages is empty"),
+        (req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "chat message"),
+        (b"\xff\xff\xff", "malformed"),
+        (req(prompt="hi") + b"\xa8\x06\x01", "unknown field"),
+    ],
+)
 def test_bad_requests_are_refused_with_a_reason(raw, needle):
     with pytest.raises(BadRequest, match=None) as e:
         validate(parse(raw), Tokenizer(None), max_model_len=64, max_prompt_chars=100)
@@ -159,8 +177,9 @@ def test_bad_requests_are_refused_with_a_reason(raw, needle):
 
 
 def test_good_request_validates():
-    r = validate(parse(req(prompt="hello", sampling=pb.SamplingParams(max_tokens=8, temperature=0))),
-                 Tokenizer(None), 64, 100)
+    r = validate(
+        parse(req(prompt="hello", sampling=pb.SamplingParams(max_tokens=8, temperature=0))), Tokenizer(None), 64, 100
+    )
     assert r.prompt_token_ids == list(b"hello") and r.sampling.max_tokens == 8 and r.request_id
 
 
@@ -175,12 +194,14 @@ def test_ray_up_files_pass_rays_own_schema(name):
     assert "vtoken serve --config" in head and "--address auto" in head
     assert any("vtoken" in c for c in raw["setup_commands"])
     import jsonschema
+
     with pytest.raises(jsonschema.ValidationError):  # the check has teeth
         validate_config(prepare_config({**raw, "head_start_ray_cmds": []}))
 
 
 def test_generated_proto_modules_are_up_to_date():
     from cluster.proto.generate import main
+
     assert main(["--check"]) == 0
 
 
@@ -193,13 +214,20 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
 
     ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
     now = time.monotonic()
-    for name, state, free, age in [("dead", "dead", 999, 0), ("drain", "draining", 999, 0),
-                                   ("new", "starting", 999, 0), ("ok", "healthy", 10, 0), ("old", "healthy", 50, 4)]:
-        ctl.replicas[name] = ReplicaState(name, handle=name, state=state,
-                                          report={"free_blocks": free, "total_blocks": 64}, reported_at=now - age)
+    for name, state, free, age in [
+        ("dead", "dead", 999, 0),
+        ("drain", "draining", 999, 0),
+        ("new", "starting", 999, 0),
+        ("ok", "healthy", 10, 0),
+        ("old", "healthy", 50, 4),
+    ]:
+        ctl.replicas[name] = ReplicaState(
+            name, handle=name, state=state, report={"free_blocks": free, "total_blocks": 64}, reported_at=now - age
+        )
 
     async def place(n):
         return [(await ctl.place(f"r{i}", 4))[0] for i in range(n)]
+
     # the stale replica ranks after the fresh one while it has room; promises fill "ok" (10 free) first
     assert asyncio.run(place(4)) == ["ok", "ok", "old", "old"]
     assert sum(b for _, b in ctl.promises.values()) == 16
@@ -220,11 +248,13 @@ def test_a_promise_lasts_until_a_report_counts_the_request():
 
     ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
     base = {"total_blocks": 64, "incarnation": "i1", "healthy": True}
-    ctl.replicas["a"] = ReplicaState("a", handle="a", state="healthy", report={**base, "free_blocks": 30},
-                                     reported_at=time.monotonic())
+    ctl.replicas["a"] = ReplicaState(
+        "a", handle="a", state="healthy", report={**base, "free_blocks": 30}, reported_at=time.monotonic()
+    )
 
     def free():
         return [v.effective_free for v in ctl._views() if isinstance(v, ReplicaView)]
+
     asyncio.run(ctl.place("q", 8))
     assert free() == [22]
     asyncio.run(ctl.report("a", {**base, "free_blocks": 30, "admitted": []}))  # figures older than q

@@ -3,15 +3,24 @@ tensors in vLLM's CPU layout: live tokens' K and V bytes survive, blocks are acc
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from kvsim import KVSim
 
 from vtoken.accounting import block_counts, naive_retained_blocks
 from vtoken.mover import CpuMover
 from vtoken.planner import moves_lower_bound, plan_compaction
-from kvsim import KVSim
 
-ops = st.lists(st.tuples(st.sampled_from(["append", "append", "kill", "compact", "finish"]),
-                         st.integers(0, 3), st.integers(1, 12), st.integers(0, 2**31)), min_size=1, max_size=50)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["append", "append", "kill", "compact", "finish"]),
+        st.integers(0, 3),
+        st.integers(1, 12),
+        st.integers(0, 2**31),
+    ),
+    min_size=1,
+    max_size=50,
+)
 
 
 def run_trace(trace, layout="cpu", planner=plan_compaction, mover=None, protected=(0, 1, 0, 0)):
@@ -33,7 +42,7 @@ def run_trace(trace, layout="cpu", planner=plan_compaction, mover=None, protecte
         elif op == "compact":
             before = {q: (s.table.physical_live_mask(), s.num_protected) for q, s in sim.reqs.items()}
             plans = sim.compact()
-            for (s, plan), (q, (live, prot)) in zip(plans, before.items()):
+            for (s, plan), (live, prot) in zip(plans, before.values()):
                 assert plan.num_moves == moves_lower_bound(live, 4, prot)
                 c = block_counts(s.table)
                 assert len(s.blocks) == c.retained == max(c.floor, prot) <= c.naive_retained
@@ -54,8 +63,12 @@ def test_same_in_the_flash_layout(trace):
 
 
 def test_all_blocks_return_to_the_pool():
-    sim = run_trace([("append", r, 9, 0) for r in range(4)] + [("kill", r, 6, r) for r in range(4)]
-                    + [("compact", 0, 1, 0)] + [("finish", r, 1, 0) for r in range(4)])
+    sim = run_trace(
+        [("append", r, 9, 0) for r in range(4)]
+        + [("kill", r, 6, r) for r in range(4)]
+        + [("compact", 0, 1, 0)]
+        + [("finish", r, 1, 0) for r in range(4)]
+    )
     assert sorted(sim.free) == list(range(48))
 
 
@@ -80,6 +93,7 @@ def test_negative_control_skipping_moves_is_caught():
     class NoMover(CpuMover):
         def apply(self, kv_caches, batch, extra=()):
             pass
+
     with pytest.raises(AssertionError, match="live KV bytes changed"):
         run_trace([("append", 0, 12, 0), ("kill", 0, 6, 3), ("compact", 0, 1, 0)], mover=NoMover(4))
 

@@ -68,8 +68,7 @@ def test_bundled_gguf_is_found():
 
 def test_missing_python_dependency(data, monkeypatch):
     real = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gguf" else real(name, *a))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(ModelPrepareError, match=r"'gguf' is not installed.*scripts/setup.sh"):
         models.prepare(["tiny-llama"], log=lambda _: None)
 

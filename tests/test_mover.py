@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vtoken.mover import CpuMover, MoveBatch, ReferenceMover, make_mover
 
@@ -68,13 +69,13 @@ def test_cpu_layout_token_addressing():
     v = -k
     blk, off, head = 1, 2, 1
     kv[blk, head, : HS * BS].view(HS, BS)[:, off] = k
-    kv[blk, head, HS * BS:].view(BS, HS)[off] = v
+    kv[blk, head, HS * BS :].view(BS, HS)[off] = v
     out = [torch.zeros_like(kv)]
     batch = MoveBatch(np.array([blk * BS + off]), np.array([0 * BS + 3]))
     out = [kv.clone()]
     CpuMover(BS).apply(out, batch)
     assert torch.equal(out[0][0, head, : HS * BS].view(HS, BS)[:, 3], k)
-    assert torch.equal(out[0][0, head, HS * BS:].view(BS, HS)[3], v)
+    assert torch.equal(out[0][0, head, HS * BS :].view(BS, HS)[3], v)
 
 
 def test_movebatch_validation():
@@ -109,8 +110,8 @@ def test_cuda_mover_orders_after_forward_and_before_next():
     kv = [torch.zeros(NB, H, BS, 2 * HS, device="cuda")]
     mover = make_mover("cuda", BS, "flash")
     for step in range(50):
-        torch.cuda._sleep(200_000)                      # a long "forward" ...
-        kv[0][0, :, 0].fill_(step)                      # ... that writes slot 0 last
+        torch.cuda._sleep(200_000)  # a long "forward" ...
+        kv[0][0, :, 0].fill_(step)  # ... that writes slot 0 last
         mover.apply(kv, MoveBatch(np.array([0]), np.array([NB * BS - 1 - step % 3])))
         mover.wait()
         assert kv[0][-1, :, BS - 1 - step % 3].max().item() == step

@@ -2,10 +2,17 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from vtoken.planner import (CompactionPlan, PlannerError, moves_lower_bound, plan_compaction,
-                            plan_compaction_reference, protected_prefix)
+from vtoken.planner import (
+    CompactionPlan,
+    PlannerError,
+    moves_lower_bound,
+    plan_compaction,
+    plan_compaction_reference,
+    protected_prefix,
+)
 
 
 @st.composite
@@ -34,8 +41,8 @@ def check_plan(live, block_ids, bs, prot, plan: CompactionPlan):
     n_live = int(live.sum())
     assert plan.physical_len == n_live and after[: plan.physical_len].all(), "live tokens are not packed"
     assert plan.keep_blocks == max(-(-n_live // bs), prot), "live tokens do not fill the fewest blocks"
-    assert not after[plan.keep_blocks * bs:].any(), "a freed block holds a live token"
-    assert plan.free_block_ids == block_ids[plan.keep_blocks:]
+    assert not after[plan.keep_blocks * bs :].any(), "a freed block holds a live token"
+    assert plan.free_block_ids == block_ids[plan.keep_blocks :]
     assert plan.num_moves == moves_lower_bound(live, bs, prot), "more moves than the lower bound"
 
 
@@ -50,12 +57,16 @@ def test_fast_planner_agrees_with_reference(case):
     live, ids, bs, prot = case
     fast = plan_compaction(live, ids, bs, prot)
     ref = plan_compaction_reference(live, ids, bs, prot)
-    assert (fast.physical_len, fast.keep_blocks, fast.free_block_ids) == \
-           (ref.physical_len, ref.keep_blocks, ref.free_block_ids)
+    assert (fast.physical_len, fast.keep_blocks, fast.free_block_ids) == (
+        ref.physical_len,
+        ref.keep_blocks,
+        ref.free_block_ids,
+    )
     assert fast.num_moves <= ref.num_moves
 
 
 # ---------------------------------------------------------------- negative controls: planted bugs
+
 
 def _off_by_one(live, ids, bs, prot):
     p = plan_compaction(live, ids, bs, prot)
@@ -113,8 +124,13 @@ def test_property_check_catches_bugs_on_random_layouts():
         ids = list(range(-(-n // bs)))
         for b, (planner, _, _) in BUGS.items():
             try:
-                check_plan(live, ids, bs, prot if b == "ignores_protection" else 0,
-                           planner(live, ids, bs, prot if b == "ignores_protection" else 0))
+                check_plan(
+                    live,
+                    ids,
+                    bs,
+                    prot if b == "ignores_protection" else 0,
+                    planner(live, ids, bs, prot if b == "ignores_protection" else 0),
+                )
             except AssertionError:
                 caught[b] += 1
     assert all(caught.values()), caught

@@ -4,7 +4,8 @@ import tokenize
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vtoken.policies import ATTN_HIST, ATTN_SUM, POLICIES, PolicyInput, make_policy, policy_params
 
@@ -17,8 +18,13 @@ def inp(n, step=1, live=None, seed=0, protected=None):
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-@given(n=st.integers(1, 400), budget=st.sampled_from([0.125, 0.25, 0.5, 3, 50]), sink=st.integers(0, 8),
-       recent=st.integers(0, 40), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 400),
+    budget=st.sampled_from([0.125, 0.25, 0.5, 3, 50]),
+    sink=st.integers(0, 8),
+    recent=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
 def test_every_policy_obeys_the_shared_mechanics(name, n, budget, sink, recent, seed):
     policy = make_policy(name, budget=budget, sink=sink, recent=recent)
     rng = np.random.default_rng(seed)
@@ -65,9 +71,16 @@ def test_streaming_keeps_sinks_and_newest():
     assert kill.tolist() == list(range(4, 16))
 
 
-@pytest.mark.parametrize("kwargs,match", [({"budget": 0}, "budget"), ({"budget": 2.5}, "whole"),
-                                          ({"interval": 0}, "interval"), ({"sink": -1}, "sink"),
-                                          ({"bogus": 1}, "no parameter")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"budget": 0}, "budget"),
+        ({"budget": 2.5}, "whole"),
+        ({"interval": 0}, "interval"),
+        ({"sink": -1}, "sink"),
+        ({"bogus": 1}, "no parameter"),
+    ],
+)
 def test_bad_parameters_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_policy("h2o", **kwargs)
@@ -87,8 +100,14 @@ def code_lines(cls) -> int:
         if tok.type == tokenize.STRING and prev in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT):
             prev = tok.type
             continue  # a docstring
-        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-                            tokenize.DEDENT, tokenize.ENDMARKER):
+        if tok.type not in (
+            tokenize.COMMENT,
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
             lines.update(range(tok.start[0], tok.end[0] + 1))
         prev = tok.type if tok.type not in (tokenize.NL, tokenize.COMMENT) else prev
     return len(lines)

@@ -13,11 +13,22 @@ from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats  # noqa: E4
 def chat(mode: str, prompts: list[str], max_tokens: int, **cfg):
     from vllm import SamplingParams
 
-    llm = make_llm(str(model_path("smollm2-135m")), VTokenConfig(mode=mode, **cfg), dtype="float32",
-                   block_size=32, max_model_len=2048, enforce_eager=True, seed=0, kv_cache_memory_bytes=256 << 20)
+    llm = make_llm(
+        str(model_path("smollm2-135m")),
+        VTokenConfig(mode=mode, **cfg),
+        dtype="float32",
+        block_size=32,
+        max_model_len=2048,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=256 << 20,
+    )
     try:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        outs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            use_tqdm=False,
+        )
         return [o.outputs[0].text for o in outs], (vtoken_stats(llm) if mode != "off" else None)
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -28,8 +39,9 @@ def test_smollm2_answers_and_vtoken_reclaims_blocks():
     assert "Paris" in answer
 
     doc = passages(1, 3000)[0]
-    texts, stats = chat("vtoken", [f"Summarise the following text in two sentences.\n\n{doc}"], 64,
-                        policy="h2o", budget=0.25)
+    texts, stats = chat(
+        "vtoken", [f"Summarise the following text in two sentences.\n\n{doc}"], 64, policy="h2o", budget=0.25
+    )
     assert len(texts[0].split()) > 5
     (req,) = stats["finished_requests"]
     assert req["live_tokens"] < 0.3 * req["logical_tokens"]

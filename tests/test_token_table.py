@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vtoken.token_table import TokenTable, TokenTableError
 
@@ -56,8 +57,12 @@ def test_preemption_reset():
     t.check_integrity()
 
 
-@given(st.lists(st.tuples(st.sampled_from(["append", "kill"]), st.integers(1, 40), st.integers(0, 2**32 - 1)),
-                max_size=40), st.sampled_from([1, 4, 16]))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["append", "kill"]), st.integers(1, 40), st.integers(0, 2**32 - 1)), max_size=40
+    ),
+    st.sampled_from([1, 4, 16]),
+)
 def test_random_trace_keeps_invariants(ops, bs):
     t = TokenTable(block_size=bs)
     for op, n, seed in ops:

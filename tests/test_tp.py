@@ -57,7 +57,10 @@ class Session:
 def _tp_env(tp: int, log_path: Path):
     """One OpenMP thread bound per rank; the engine's stdout and stderr (its processes
     inherit fds 1 and 2 at start) copied to ``log_path``, so a test can read the engine's own error."""
-    env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "120", "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in _cpus()[:tp])}
+    env = {
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "120",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in _cpus()[:tp]),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     saved_fds = [os.dup(1), os.dup(2)]
@@ -85,25 +88,35 @@ def _generate(llm, requests: list[tuple[list[int], str | None]], max_tokens: int
 
     from vtoken.vllm_adapter import request_args
 
-    sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-                          extra_args=request_args(**json.loads(o)) if o else None) for _, o in requests]
+    sps = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            logprobs=0,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args=request_args(**json.loads(o)) if o else None,
+        )
+        for _, o in requests
+    ]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], sps, use_tqdm=False)
     lines = [json.loads(line) for line in trace_path.read_text().splitlines()] if trace_path.exists() else []
     by_id = {t["request_id"].rsplit("-", 1)[0]: t for t in lines}  # engine ids: "<LLM's id>-<8 random chars>"
-    return Round([list(o.outputs[0].token_ids) for o in outs],
-                 [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                  for o in outs], [by_id[o.request_id] for o in outs if o.request_id in by_id])
+    return Round(
+        [list(o.outputs[0].token_ids) for o in outs],
+        [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs],
+        [by_id[o.request_id] for o in outs if o.request_id in by_id],
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
     """One TP engine serving test_vllm_engine's TP=1 requests (prompts, per-request policies, order). With
     ``controls``, then h2o with rank 0's scores only, then a rank that fails to apply a plan."""
+    import torch
     from vllm import LLM
 
     from vtoken.vllm_adapter import vtoken_stats
-
-    import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() < tp:
         pytest.skip(f"TP={tp} on CUDA needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
@@ -113,6 +126,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
     max_tokens = len(one.tokens[0])
     if mode == "off":  # stock vLLM has no trace; its prompts are test_vllm_engine's, in order
         from vllm_harness import prompts
+
         requests = [(p, None) for p in prompts(3, lengths=(70, 130, 45, 100))]
     else:
         requests = [(t["prompt_token_ids"], o) for t, o in zip(one.trace, MIXED)]
@@ -121,10 +135,21 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
     cfg = {"mode": "off"} if mode == "off" else {"mode": mode, "policy": "h2o", **EVICT, "trace_path": str(trace)}
     s = Session()
     with _tp_env(tp, tmp / "engine.log"):
-        llm = LLM(model=str(model_path("tiny-llama")), **engine_kwargs(
-            VTokenConfig(**cfg), dtype="float32", block_size=32, max_model_len=1024, seed=0,
-            kv_cache_memory_bytes=KV_BYTES // tp, skip_tokenizer_init=True, enforce_eager=True,
-            tensor_parallel_size=tp, distributed_executor_backend="mp"))
+        llm = LLM(
+            model=str(model_path("tiny-llama")),
+            **engine_kwargs(
+                VTokenConfig(**cfg),
+                dtype="float32",
+                block_size=32,
+                max_model_len=1024,
+                seed=0,
+                kv_cache_memory_bytes=KV_BYTES // tp,
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                tensor_parallel_size=tp,
+                distributed_executor_backend="mp",
+            ),
+        )
         try:
             s.rounds["main"] = _generate(llm, requests, max_tokens, trace)
             if mode != "off":
@@ -153,8 +178,14 @@ def evicted(r) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------ configuration edge
-@pytest.mark.parametrize("key,value", [("decode_context_parallel_size", 2), ("prefill_context_parallel_size", 2),
-                                       ("distributed_executor_backend", "external_launcher")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("decode_context_parallel_size", 2),
+        ("prefill_context_parallel_size", 2),
+        ("distributed_executor_backend", "external_launcher"),
+    ],
+)
 def test_token_splitting_parallelism_is_refused(key, value):
     with pytest.raises(ValueError, match=key):
         engine_kwargs(VTokenConfig(mode="vtoken"), tensor_parallel_size=2, **{key: value})
@@ -164,7 +195,7 @@ def test_token_splitting_parallelism_is_refused(key, value):
 def part(r, policy: str) -> Round:
     """The three requests of a mixed run (TP=1's or TP=2's) that ran ``policy``."""
     i = POLICIES.index(policy) * 3
-    return Round(r.tokens[i:i + 3], r.logprobs[i:i + 3], r.trace[i:i + 3])
+    return Round(r.tokens[i : i + 3], r.logprobs[i : i + 3], r.trace[i : i + 3])
 
 
 def assert_same_tokens(one, two, tol: float = 1e-4) -> None:
@@ -194,10 +225,19 @@ def test_vtoken_at_tp2_makes_tp1s_decisions_and_tokens(policy):
 @pytest.mark.timeout(900)
 def test_retained_blocks_match_tp1():
     one, two = mixed().stats, session("vtoken", controls=True).stats
-    keys = ("logical_tokens", "live_tokens", "retained_blocks", "naive_retained_blocks",
-            "tokens_moved", "mean_retained_blocks", "peak_retained_blocks")
-    rows = lambda st: sorted((r["request_id"].rsplit("-", 1)[0], *(r[k] for k in keys))  # noqa: E731
-                             for r in st["finished_requests"])
+    keys = (
+        "logical_tokens",
+        "live_tokens",
+        "retained_blocks",
+        "naive_retained_blocks",
+        "tokens_moved",
+        "mean_retained_blocks",
+        "peak_retained_blocks",
+    )
+
+    def rows(st):
+        return sorted((r["request_id"].rsplit("-", 1)[0], *(r[k] for k in keys)) for r in st["finished_requests"])
+
     assert len(rows(two)) == 9 and rows(two) == rows(one)
     assert two["total_blocks"] == one["total_blocks"] and two["free_blocks"] == two["total_blocks"]
 
@@ -243,8 +283,9 @@ def test_a_rank_that_fails_to_apply_a_plan_stops_the_engine():
     assert s.failure is not None, "the engine kept serving after rank 1 failed to apply a plan"
     # A multiprocess engine core (servers) dies: EngineDeadError. In-process (conftest's default for tests)
     # the worker's error reaches the caller itself.
-    assert isinstance(s.failure, EngineDeadError) or "failed to apply the compaction plan" in str(s.failure), \
-        repr(s.failure)
+    assert isinstance(s.failure, EngineDeadError) or "failed to apply the compaction plan" in str(s.failure), repr(
+        s.failure
+    )
     assert s.failure_seconds < 100, f"the failure took {s.failure_seconds:.0f} s to surface (a hang?)"
     assert "rank(s) [1] failed to apply the compaction plan of step" in s.log, s.log[-3000:]
     assert "injected fault" in s.log and "rather than serving divergent KV" in s.log

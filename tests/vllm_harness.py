@@ -24,9 +24,19 @@ def prompts(n: int = 3, lengths=(70, 130, 45), seed: int = 0, vocab: int = 49000
     return [rng.integers(10, vocab, lengths[i % len(lengths)]).tolist() for i in range(n)]
 
 
-def run(model: str, vtoken: dict | None, token_prompts: list[list[int]], max_tokens: int = 48,
-        dtype: str = "float32", trace_dir: Path | None = None, kv_bytes: int = 64 << 20,
-        max_model_len: int = 1024, rounds: int = 1, options: list[dict | None] | None = None, **kwargs) -> Run:
+def run(
+    model: str,
+    vtoken: dict | None,
+    token_prompts: list[list[int]],
+    max_tokens: int = 48,
+    dtype: str = "float32",
+    trace_dir: Path | None = None,
+    kv_bytes: int = 64 << 20,
+    max_model_len: int = 1024,
+    rounds: int = 1,
+    options: list[dict | None] | None = None,
+    **kwargs,
+) -> Run:
     """``options[i]``: request i's own vToken policy options (SamplingParams.extra_args), or None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -38,25 +48,48 @@ def run(model: str, vtoken: dict | None, token_prompts: list[list[int]], max_tok
     if cfg.get("mode", "vtoken") != "off" and trace_dir is not None:
         trace_path = Path(trace_dir) / f"trace-{len(list(Path(trace_dir).glob('trace-*')))}.jsonl"
         cfg["trace_path"] = str(trace_path)
-    llm = make_llm(model, VTokenConfig(**cfg), dtype=dtype, block_size=32, max_model_len=max_model_len,
-                   kv_cache_memory_bytes=kv_bytes, seed=0, skip_tokenizer_init=True, disable_log_stats=False,
-                   enforce_eager=True, **kwargs)
+    llm = make_llm(
+        model,
+        VTokenConfig(**cfg),
+        dtype=dtype,
+        block_size=32,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_bytes,
+        seed=0,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        enforce_eager=True,
+        **kwargs,
+    )
     try:
         options = options or [None] * len(token_prompts)
-        sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-                              extra_args=request_args(**o) if o else None) for o in options]
-        outs = [o for _ in range(rounds)
-                for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sps, use_tqdm=False)]
+        sps = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                logprobs=0,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args=request_args(**o) if o else None,
+            )
+            for o in options
+        ]
+        outs = [
+            o
+            for _ in range(rounds)
+            for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sps, use_tqdm=False)
+        ]
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        lps = [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-               for o in outs]
+        lps = [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
         stats = vtoken_stats(llm) if cfg.get("mode", "vtoken") != "off" else {}
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         trace = []
         if trace_path is not None and trace_path.exists():
             # the engine core's ids carry a suffix: "<request id>-<random>"
-            by_id = {json.loads(line)["request_id"].rsplit("-", 1)[0]: json.loads(line)
-                     for line in trace_path.read_text().splitlines()}
+            by_id = {
+                json.loads(line)["request_id"].rsplit("-", 1)[0]: json.loads(line)
+                for line in trace_path.read_text().splitlines()
+            }
             trace = [by_id[o.request_id] for o in outs]
         return Run(tokens, lps, stats, trace, metrics)
     finally:

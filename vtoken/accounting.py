@@ -37,12 +37,16 @@ def floor_blocks(num_live: int, block_size: int) -> int:
 class BlockCounts(NamedTuple):
     logical: int
     live: int
-    retained: int          # vToken: blocks for the packed physical slots
-    naive_retained: int    # Naive-Evict: blocks with a live token at its original slot
-    floor: int             # ceil(live / block_size)
+    retained: int  # vToken: blocks for the packed physical slots
+    naive_retained: int  # Naive-Evict: blocks with a live token at its original slot
+    floor: int  # ceil(live / block_size)
 
 
 def block_counts(table: TokenTable) -> BlockCounts:
-    return BlockCounts(table.num_logical, table.num_live, table.num_blocks,
-                       naive_retained_blocks(table.live_mask(), table.block_size),
-                       floor_blocks(table.num_live, table.block_size))
+    return BlockCounts(
+        table.num_logical,
+        table.num_live,
+        table.num_blocks,
+        naive_retained_blocks(table.live_mask(), table.block_size),
+        floor_blocks(table.num_live, table.block_size),
+    )

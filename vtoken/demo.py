@@ -46,8 +46,16 @@ def serve(model_dir: str, mode: str, args, prompts: list[str]) -> dict:
     cfg = VTokenConfig(mode=mode, policy=args.policy, budget=args.budget)
     log(f"[{mode}] starting vLLM on {args.model} ...")
     # float32: on CPUs without AVX512-BF16/AMX, vLLM's bf16 matmuls run at half the speed of fp32
-    llm = make_llm(model_dir, cfg, dtype="float32", block_size=args.block_size, max_model_len=4096,
-                   enforce_eager=True, seed=0, kv_cache_memory_bytes=1 << 30)
+    llm = make_llm(
+        model_dir,
+        cfg,
+        dtype="float32",
+        block_size=args.block_size,
+        max_model_len=4096,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=1 << 30,
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
@@ -63,14 +71,23 @@ def serve(model_dir: str, mode: str, args, prompts: list[str]) -> dict:
         if mode == "off":  # stock vLLM holds every token: ceil(tokens / block_size) blocks
             full = math.ceil((n_prompt + n_out - 1) / args.block_size)
             mean = sum(math.ceil((n_prompt + k) / args.block_size) for k in range(n_out)) / max(n_out, 1)
-            rec = {"live_tokens": n_prompt + n_out - 1, "retained_blocks": full, "mean_retained_blocks": mean,
-                   "peak_retained_blocks": full, "tokens_moved": 0}
+            rec = {
+                "live_tokens": n_prompt + n_out - 1,
+                "retained_blocks": full,
+                "mean_retained_blocks": mean,
+                "peak_retained_blocks": full,
+                "tokens_moved": 0,
+            }
         else:
             rec = finished.get(o.request_id, {})
         rows.append({"prompt_tokens": n_prompt, "output_tokens": n_out, "text": o.outputs[0].text, **rec})
     log(f"[{mode}] {sum(r['output_tokens'] for r in rows)} tokens in {seconds:.1f} s")
-    return {"mode": mode, "seconds": seconds, "requests": rows,
-            "engine": {k: v for k, v in (stats or {}).items() if k not in ("requests", "finished_requests")}}
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "requests": rows,
+        "engine": {k: v for k, v in (stats or {}).items() if k not in ("requests", "finished_requests")},
+    }
 
 
 def log(msg: str) -> None:
@@ -92,8 +109,15 @@ def run(args) -> int:
         return 2
     prompts = build_prompts(args.passages)
     results = {m: serve(model_dir, m, args, prompts) for m in modes}
-    report = {"model": args.model, "policy": args.policy, "budget": args.budget, "block_size": args.block_size,
-              "max_tokens": args.max_tokens, "prompts": prompts, "modes": results}
+    report = {
+        "model": args.model,
+        "policy": args.policy,
+        "budget": args.budget,
+        "block_size": args.block_size,
+        "max_tokens": args.max_tokens,
+        "prompts": prompts,
+        "modes": results,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -103,8 +127,10 @@ def run(args) -> int:
 
 def print_report(report: dict) -> None:
     modes = list(report["modes"])
-    print(f"\nSmolLM2 ({report['model']}), policy {report['policy']}, budget {report['budget']}, "
-          f"block size {report['block_size']}; blocks are time-averaged over each request's decode steps")
+    print(
+        f"\nSmolLM2 ({report['model']}), policy {report['policy']}, budget {report['budget']}, "
+        f"block size {report['block_size']}; blocks are time-averaged over each request's decode steps"
+    )
     head = f"{'req':>3} {'prompt':>6} " + " ".join(f"{m + ' blk':>11}" for m in modes)
     print(head)
     n = len(report["prompts"])
@@ -114,17 +140,27 @@ def print_report(report: dict) -> None:
     totals = {m: sum(r.get("mean_retained_blocks", 0) for r in report["modes"][m]["requests"]) for m in modes}
     print("sum " + " " * 7 + " ".join(f"{totals[m]:>11.2f}" for m in modes))
     if "naive" in totals and "vtoken" in totals and totals["naive"]:
-        print(f"\nvtoken holds {100 * (1 - totals['vtoken'] / totals['naive']):.1f}% fewer blocks than naive "
-              f"for the same eviction decisions")
+        print(
+            f"\nvtoken holds {100 * (1 - totals['vtoken'] / totals['naive']):.1f}% fewer blocks than naive "
+            f"for the same eviction decisions"
+        )
     for m in modes:
         r = report["modes"][m]
         toks = sum(x["output_tokens"] for x in r["requests"])
-        print(f"{m:>7}: {r['seconds']:.1f} s for {toks} output tokens ({1000 * r['seconds'] / max(toks, 1):.1f} ms/token"
-              + (f"; compaction {1000 * r['engine'].get('compaction_seconds', 0):.0f} ms, "
-                 f"{r['engine'].get('tokens_moved', 0)} tokens moved)" if m != "off" else ")"))
+        print(
+            f"{m:>7}: {r['seconds']:.1f} s for {toks} output tokens ({1000 * r['seconds'] / max(toks, 1):.1f} ms/token"
+            + (
+                f"; compaction {1000 * r['engine'].get('compaction_seconds', 0):.0f} ms, "
+                f"{r['engine'].get('tokens_moved', 0)} tokens moved)"
+                if m != "off"
+                else ")"
+            )
+        )
     if "naive" in modes and "vtoken" in modes:
-        same = all(a["text"] == b["text"] for a, b in
-                   zip(report["modes"]["naive"]["requests"], report["modes"]["vtoken"]["requests"]))
+        same = all(
+            a["text"] == b["text"]
+            for a, b in zip(report["modes"]["naive"]["requests"], report["modes"]["vtoken"]["requests"])
+        )
         print(f"naive and vtoken outputs identical: {same}")
     for i in range(n):
         print(f"\n[{i}] {report['prompts'][i].splitlines()[0][:100]}")

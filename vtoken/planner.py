@@ -26,10 +26,10 @@ import numpy as np
 class CompactionPlan(NamedTuple):
     """Moves for one request, in request-local physical slots (``slot // block_size`` indexes block_ids)."""
 
-    src: np.ndarray          # int64[n_moves]
-    dst: np.ndarray          # int64[n_moves]
-    physical_len: int        # attended length after the moves
-    keep_blocks: int         # the request keeps block_ids[:keep_blocks]
+    src: np.ndarray  # int64[n_moves]
+    dst: np.ndarray  # int64[n_moves]
+    physical_len: int  # attended length after the moves
+    keep_blocks: int  # the request keeps block_ids[:keep_blocks]
     free_block_ids: list[int]  # block_ids[keep_blocks:], to return to the pool
 
     @property
@@ -62,8 +62,7 @@ def protected_prefix(protected: np.ndarray) -> int:
     return n
 
 
-def plan_compaction(live: np.ndarray, block_ids: list[int], block_size: int,
-                    num_protected: int = 0) -> CompactionPlan:
+def plan_compaction(live: np.ndarray, block_ids: list[int], block_size: int, num_protected: int = 0) -> CompactionPlan:
     """Fewest-moves plan: live tokens beyond the packed length fill the holes below it.
 
     ``live[s]`` says whether physical slot ``s`` holds a live token (its length is the physical_len).
@@ -79,8 +78,9 @@ def plan_compaction(live: np.ndarray, block_ids: list[int], block_size: int,
     return _finish(movers, holes, packed_len, block_ids, block_size, num_protected)
 
 
-def plan_compaction_reference(live: np.ndarray, block_ids: list[int], block_size: int,
-                              num_protected: int = 0) -> CompactionPlan:
+def plan_compaction_reference(
+    live: np.ndarray, block_ids: list[int], block_size: int, num_protected: int = 0
+) -> CompactionPlan:
     """Simple order-preserving plan for tests: the k-th live slot of the region moves to slot base + k."""
     live = _validate(live, block_ids, block_size, num_protected)
     base = min(num_protected * block_size, live.size)
@@ -92,15 +92,18 @@ def plan_compaction_reference(live: np.ndarray, block_ids: list[int], block_size
                 src.append(s)
                 dst.append(k)
             k += 1
-    return _finish(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), k, block_ids,
-                   block_size, num_protected)
+    return _finish(
+        np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), k, block_ids, block_size, num_protected
+    )
 
 
-def _finish(src: np.ndarray, dst: np.ndarray, packed_len: int, block_ids: list[int], block_size: int,
-            num_protected: int) -> CompactionPlan:
+def _finish(
+    src: np.ndarray, dst: np.ndarray, packed_len: int, block_ids: list[int], block_size: int, num_protected: int
+) -> CompactionPlan:
     keep = max(-(-packed_len // block_size), num_protected)
-    return CompactionPlan(src.astype(np.int64), dst.astype(np.int64), int(packed_len), int(keep),
-                          list(block_ids[keep:]))
+    return CompactionPlan(
+        src.astype(np.int64), dst.astype(np.int64), int(packed_len), int(keep), list(block_ids[keep:])
+    )
 
 
 def moves_lower_bound(live: np.ndarray, block_size: int, num_protected: int = 0) -> int:

@@ -9,7 +9,8 @@ adapter) or a ``stats`` callback that supplies their statistics.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,10 +25,10 @@ StatsFn = Callable[[TokenTable, np.ndarray], dict[str, np.ndarray]]
 class ReplayResult(NamedTuple):
     logical: int
     live: int
-    retained: int             # vToken blocks at the end
-    naive_retained: int       # Naive-Evict blocks at the end
+    retained: int  # vToken blocks at the end
+    naive_retained: int  # Naive-Evict blocks at the end
     floor: int
-    mean_retained: float      # time-averaged over decode steps
+    mean_retained: float  # time-averaged over decode steps
     mean_naive_retained: float
     peak_retained: int
     peak_naive_retained: int
@@ -40,11 +41,19 @@ def request_seed(request_id: str) -> int:
     return zlib.crc32(request_id.encode())
 
 
-def replay(policy: EvictionPolicy, prompt_len: int, output_len: int, block_size: int,
-           request_id: str = "0", stats: StatsFn | None = None) -> ReplayResult:
+def replay(
+    policy: EvictionPolicy,
+    prompt_len: int,
+    output_len: int,
+    block_size: int,
+    request_id: str = "0",
+    stats: StatsFn | None = None,
+) -> ReplayResult:
     if policy.needs and stats is None:
-        raise ValueError(f"policy {policy.name!r} needs {list(policy.needs)} from the engine; replay it "
-                         "through the vLLM adapter or pass a stats callback")
+        raise ValueError(
+            f"policy {policy.name!r} needs {list(policy.needs)} from the engine; replay it "
+            "through the vLLM adapter or pass a stats callback"
+        )
     table = TokenTable(block_size, prompt_len)
     retained, naive, moves = [], [], 0
     seed = request_seed(request_id)
@@ -64,5 +73,16 @@ def replay(policy: EvictionPolicy, prompt_len: int, output_len: int, block_size:
     c = block_counts(table)
     retained = retained or [c.retained]
     naive = naive or [c.naive_retained]
-    return ReplayResult(c.logical, c.live, c.retained, c.naive_retained, c.floor, float(np.mean(retained)),
-                        float(np.mean(naive)), max(retained), max(naive), moves, table.nbytes)
+    return ReplayResult(
+        c.logical,
+        c.live,
+        c.retained,
+        c.naive_retained,
+        c.floor,
+        float(np.mean(retained)),
+        float(np.mean(naive)),
+        max(retained),
+        max(naive),
+        moves,
+        table.nbytes,
+    )

@@ -18,6 +18,7 @@ def real_text(min_chars: int = 20000) -> str:
     parts, total = [], 0
     try:
         import numpy
+
         CANDIDATES.append(Path(numpy.__file__).parent.parent / f"numpy-{numpy.__version__}.dist-info" / "LICENSE.txt")
     except ImportError:
         pass
@@ -31,8 +32,9 @@ def real_text(min_chars: int = 20000) -> str:
     if total < min_chars:
         parts.append(python_docs())  # CPython's own reference text (pydoc_data), ~700K characters
     if not parts:
-        raise FileNotFoundError("no real text found on this machine (looked for " +
-                                ", ".join(str(p) for p in CANDIDATES) + ")")
+        raise FileNotFoundError(
+            "no real text found on this machine (looked for " + ", ".join(str(p) for p in CANDIDATES) + ")"
+        )
     return "\n\n".join(parts)
 
 

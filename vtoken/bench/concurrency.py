@@ -38,8 +38,9 @@ def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
     return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head * bs * dtype_bytes
 
 
-def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | None, start: int, label: str,
-            max_n: int = MAX_N) -> dict:
+def _search(
+    engine: Engine, prompts: list[list[int]], m: int, option: dict | None, start: int, label: str, max_n: int = MAX_N
+) -> dict:
     pool = engine.total_blocks
     tried: dict[int, dict] = {}
 
@@ -47,11 +48,19 @@ def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | Non
         if n not in tried:
             b = engine.batch(prompts[:n], m, [option] * n)
             ok = b.all_concurrent and b.preemptions == 0
-            tried[n] = {"n": n, "feasible": ok, "all_concurrent": b.all_concurrent, "preemptions": b.preemptions,
-                        "seconds": b.seconds, "tokens_per_s": b.output_tokens / b.seconds,
-                        "peak_blocks": max((x.record.get("peak_retained_blocks", 0) for x in b.served), default=0)}
-            log(f"[{label}] N={n}: {'feasible' if ok else 'NOT feasible'} ({b.preemptions} preemptions, "
-                f"all running together: {b.all_concurrent}), {b.output_tokens / b.seconds:.0f} tokens/s")
+            tried[n] = {
+                "n": n,
+                "feasible": ok,
+                "all_concurrent": b.all_concurrent,
+                "preemptions": b.preemptions,
+                "seconds": b.seconds,
+                "tokens_per_s": b.output_tokens / b.seconds,
+                "peak_blocks": max((x.record.get("peak_retained_blocks", 0) for x in b.served), default=0),
+            }
+            log(
+                f"[{label}] N={n}: {'feasible' if ok else 'NOT feasible'} ({b.preemptions} preemptions, "
+                f"all running together: {b.all_concurrent}), {b.output_tokens / b.seconds:.0f} tokens/s"
+            )
         return tried[n]["feasible"]
 
     lo, hi = 0, None  # lo: largest known feasible, hi: smallest known infeasible
@@ -76,8 +85,11 @@ def _search(engine: Engine, prompts: list[list[int]], m: int, option: dict | Non
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
     best = tried.get(lo)
-    return {"max_concurrency": lo, "tokens_per_s": best["tokens_per_s"] if best else 0.0,
-            "ladder": sorted(tried.values(), key=lambda t: t["n"])}
+    return {
+        "max_concurrency": lo,
+        "tokens_per_s": best["tokens_per_s"] if best else 0.0,
+        "ladder": sorted(tried.values(), key=lambda t: t["n"]),
+    }
 
 
 def run(args) -> dict:
@@ -86,8 +98,14 @@ def run(args) -> dict:
     if args.quick:
         model, budgets, plen, m, pool, max_n = "tiny-llama", [0.5], 64, 64, 12, 4
     else:
-        model, budgets, plen, m, pool, max_n = (args.model, [float(b) for b in args.budgets.split(",")],
-                                                args.prompt_tokens, args.max_tokens, args.pool_blocks, MAX_N)
+        model, budgets, plen, m, pool, max_n = (
+            args.model,
+            [float(b) for b in args.budgets.split(",")],
+            args.prompt_tokens,
+            args.max_tokens,
+            args.pool_blocks,
+            MAX_N,
+        )
     model_dir = str(model_path(model))
     prompts = real_prompts(model_dir, MAX_N, plen)
     kv = (pool + 1) * _block_bytes(model_dir, 32)  # + vLLM's reserved null block
@@ -108,18 +126,38 @@ def run(args) -> dict:
         naive = next((x for x in results if x["mode"] == "naive" and x["budget"] == r["budget"]), None)
         r["vs_off"] = r["max_concurrency"] / off if off else None
         r["vs_naive"] = r["max_concurrency"] / naive["max_concurrency"] if naive and naive["max_concurrency"] else None
-    return {"model": model, "policy": args.policy, "prompt_tokens": plen, "max_tokens": m, "pool_blocks": pool,
-            "budgets": budgets, "results": results}
+    return {
+        "model": model,
+        "policy": args.policy,
+        "prompt_tokens": plen,
+        "max_tokens": m,
+        "pool_blocks": pool,
+        "budgets": budgets,
+        "results": results,
+    }
 
 
 def tables(result: dict) -> list[Table]:
-    rows = [[r["mode"], r["budget"] if r["mode"] != "off" else "-", r["max_concurrency"],
-             round(r["tokens_per_s"], 1), f"x{r['vs_naive']:.2f}" if r["vs_naive"] else "-",
-             f"x{r['vs_off']:.2f}" if r["vs_off"] else "-"] for r in result["results"]]
-    return [Table(f"Maximum feasible concurrency in a {result['pool_blocks']}-block pool ({result['model']}, "
-                  f"{result['policy']}, {result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens)",
-                  ["mode", "budget", "max concurrent requests", "tokens/s at that point", "vs naive", "vs off"],
-                  rows, "Feasible: all requests running together, no preemption (paper: up to 2x vs naive).")]
+    rows = [
+        [
+            r["mode"],
+            r["budget"] if r["mode"] != "off" else "-",
+            r["max_concurrency"],
+            round(r["tokens_per_s"], 1),
+            f"x{r['vs_naive']:.2f}" if r["vs_naive"] else "-",
+            f"x{r['vs_off']:.2f}" if r["vs_off"] else "-",
+        ]
+        for r in result["results"]
+    ]
+    return [
+        Table(
+            f"Maximum feasible concurrency in a {result['pool_blocks']}-block pool ({result['model']}, "
+            f"{result['policy']}, {result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens)",
+            ["mode", "budget", "max concurrent requests", "tokens/s at that point", "vs naive", "vs off"],
+            rows,
+            "Feasible: all requests running together, no preemption (paper: up to 2x vs naive).",
+        )
+    ]
 
 
 def plot(result: dict, fig) -> None:
@@ -130,11 +168,16 @@ def plot(result: dict, fig) -> None:
     x = np.arange(len(budgets))
     off = result["results"][0]["max_concurrency"]
     for j, mode in enumerate(("naive", "vtoken")):
-        vals = [next(r["max_concurrency"] for r in result["results"] if r["mode"] == mode and r["budget"] == b)
-                for b in budgets]
+        vals = [
+            next(r["max_concurrency"] for r in result["results"] if r["mode"] == mode and r["budget"] == b)
+            for b in budgets
+        ]
         ax.bar(x + (j - 0.5) * 0.35, vals, 0.35, label=mode)
     ax.axhline(off, color="k", ls="--", label="off")
     ax.set_xticks(x, [f"{b:g}" for b in budgets])
-    ax.set(xlabel="budget (live ratio)", ylabel="max concurrent requests, no preemption",
-           title=f"{result['pool_blocks']}-block KV pool")
+    ax.set(
+        xlabel="budget (live ratio)",
+        ylabel="max concurrent requests, no preemption",
+        title=f"{result['pool_blocks']}-block KV pool",
+    )
     ax.legend()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from vtoken.mover import CpuMover, MoveBatch, make_mover
+from vtoken.mover import MoveBatch, make_mover
 from vtoken.planner import moves_lower_bound, plan_compaction, plan_compaction_reference
 from vtoken.token_table import TokenTable
 
@@ -56,7 +56,7 @@ def run(args) -> dict:
     layers, heads, hs, nblocks = 30, 3, 64, max(4 * n_moves // bs, 64)
     kv = [torch.randn(nblocks, heads, bs * 2 * hs, dtype=torch.bfloat16, device=device) for _ in range(layers)]
     slots = rng.permutation(nblocks * bs)
-    batch = MoveBatch(slots[:n_moves].astype(np.int64), slots[n_moves: 2 * n_moves].astype(np.int64))
+    batch = MoveBatch(slots[:n_moves].astype(np.int64), slots[n_moves : 2 * n_moves].astype(np.int64))
     mover = make_mover(device, bs, "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     move_s = _best(lambda: mover.apply(kv, batch), repeats, sync)
@@ -66,18 +66,35 @@ def run(args) -> dict:
     copy_s = _best(lambda: [d.copy_(s) for d, s in zip(dst, src)], repeats, sync)
     result = {
         "table": {"tokens": tokens, "nbytes": table.nbytes, "bytes_per_token": bytes_per_token},
-        "planner": {"live_fraction": 0.25, "moves": plan.num_moves, "lower_bound": moves_lower_bound(live, bs),
-                    "reference_moves": ref.num_moves, "seconds": plan_s,
-                    "blocks_before": len(blocks), "blocks_after": plan.keep_blocks},
-        "mover": {"device": str(device), "tokens_moved": n_moves, "bytes": nbytes, "seconds": move_s,
-                  "gbps": nbytes / move_s / 1e9, "copy_seconds": copy_s, "copy_gbps": nbytes / copy_s / 1e9,
-                  "ratio_to_copy": copy_s / move_s},
+        "planner": {
+            "live_fraction": 0.25,
+            "moves": plan.num_moves,
+            "lower_bound": moves_lower_bound(live, bs),
+            "reference_moves": ref.num_moves,
+            "seconds": plan_s,
+            "blocks_before": len(blocks),
+            "blocks_after": plan.keep_blocks,
+        },
+        "mover": {
+            "device": str(device),
+            "tokens_moved": n_moves,
+            "bytes": nbytes,
+            "seconds": move_s,
+            "gbps": nbytes / move_s / 1e9,
+            "copy_seconds": copy_s,
+            "copy_gbps": nbytes / copy_s / 1e9,
+            "ratio_to_copy": copy_s / move_s,
+        },
     }
     print(f"TokenTable: {bytes_per_token:.2f} bytes/token at {tokens} tokens ({table.nbytes} B)")
-    print(f"planner: {plan.num_moves} moves, lower bound {result['planner']['lower_bound']}, order-preserving "
-          f"reference {ref.num_moves}; {len(blocks)} -> {plan.keep_blocks} blocks in {plan_s * 1e3:.2f} ms")
-    print(f"mover ({device}): {nbytes / 1e6:.1f} MB in {move_s * 1e3:.2f} ms = {result['mover']['gbps']:.2f} GB/s; "
-          f"plain copy_ {result['mover']['copy_gbps']:.2f} GB/s; mover/copy = {result['mover']['ratio_to_copy']:.2f}")
+    print(
+        f"planner: {plan.num_moves} moves, lower bound {result['planner']['lower_bound']}, order-preserving "
+        f"reference {ref.num_moves}; {len(blocks)} -> {plan.keep_blocks} blocks in {plan_s * 1e3:.2f} ms"
+    )
+    print(
+        f"mover ({device}): {nbytes / 1e6:.1f} MB in {move_s * 1e3:.2f} ms = {result['mover']['gbps']:.2f} GB/s; "
+        f"plain copy_ {result['mover']['copy_gbps']:.2f} GB/s; mover/copy = {result['mover']['ratio_to_copy']:.2f}"
+    )
     return result
 
 
@@ -85,10 +102,21 @@ def tables(result: dict):
     from vtoken.bench.report import Table
 
     t, p, m = result["table"], result["planner"], result["mover"]
-    return [Table("Core figures", ["figure", "value"], [
-        ["TokenTable bytes per token", f"{t['bytes_per_token']:.2f} at {t['tokens']} tokens ({t['nbytes']} B)"],
-        ["planner moves (lower bound, order-preserving reference)",
-         f"{p['moves']} ({p['lower_bound']}, {p['reference_moves']})"],
-        ["blocks before -> after compaction", f"{p['blocks_before']} -> {p['blocks_after']} in "
-                                              f"{1000 * p['seconds']:.2f} ms"],
-        [f"mover ({m['device']}) GB/s vs plain copy_", f"{m['gbps']:.2f} vs {m['copy_gbps']:.2f}"]])]
+    return [
+        Table(
+            "Core figures",
+            ["figure", "value"],
+            [
+                ["TokenTable bytes per token", f"{t['bytes_per_token']:.2f} at {t['tokens']} tokens ({t['nbytes']} B)"],
+                [
+                    "planner moves (lower bound, order-preserving reference)",
+                    f"{p['moves']} ({p['lower_bound']}, {p['reference_moves']})",
+                ],
+                [
+                    "blocks before -> after compaction",
+                    f"{p['blocks_before']} -> {p['blocks_after']} in {1000 * p['seconds']:.2f} ms",
+                ],
+                [f"mover ({m['device']}) GB/s vs plain copy_", f"{m['gbps']:.2f} vs {m['copy_gbps']:.2f}"],
+            ],
+        )
+    ]

@@ -24,7 +24,7 @@ class Served:
     prompt_tokens: int
     output_tokens: list[int]
     preemptions: int
-    scheduled_ts: float          # engine-core monotonic clock
+    scheduled_ts: float  # engine-core monotonic clock
     first_token_ts: float
     last_token_ts: float
     record: dict[str, Any] = field(default_factory=dict)  # vToken's finished-request record (not for off)
@@ -34,7 +34,7 @@ class Served:
 class Batch:
     seconds: float
     served: list[Served]
-    engine: dict[str, Any]       # vToken engine figures for this batch (empty for off)
+    engine: dict[str, Any]  # vToken engine figures for this batch (empty for off)
 
     @property
     def output_tokens(self) -> int:
@@ -54,22 +54,33 @@ class Batch:
 class Engine:
     """``with Engine(model_dir, "vtoken", {"policy": "h2o", "budget": 0.25}) as e: e.batch(prompts, 64)``"""
 
-    def __init__(self, model_dir: str, mode: str, vtoken: dict | None = None, dtype: str = "float32",
-                 kv_bytes: int = 1 << 30, max_model_len: int = 8192, block_size: int = 32, **kw) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        mode: str,
+        vtoken: dict | None = None,
+        dtype: str = "float32",
+        kv_bytes: int = 1 << 30,
+        max_model_len: int = 8192,
+        block_size: int = 32,
+        **kw,
+    ) -> None:
         self.model_dir, self.mode, self.block_size = model_dir, mode, block_size
         self.cfg = {**(vtoken or {}), "mode": mode}
         if mode == "off":
             self.cfg = {"mode": "off"}
-        self.kw = dict(dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
-                       block_size=block_size, **kw)
+        self.kw = dict(
+            dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len, block_size=block_size, **kw
+        )
         self.llm = None
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         from vtoken.vllm_adapter import VTokenConfig, make_llm
 
         log(f"[{self.mode}] starting vLLM on {self.model_dir.rstrip('/').rsplit('/', 1)[-1]} ...")
-        self.llm = make_llm(self.model_dir, VTokenConfig(**self.cfg), enforce_eager=True, seed=0,
-                            disable_log_stats=False, **self.kw)
+        self.llm = make_llm(
+            self.model_dir, VTokenConfig(**self.cfg), enforce_eager=True, seed=0, disable_log_stats=False, **self.kw
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -80,8 +91,9 @@ class Engine:
     def total_blocks(self) -> int:
         return self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks - 1
 
-    def batch(self, prompts: list[list[int]], max_tokens: int, options: list[dict | None] | None = None,
-              warmup: bool = False) -> Batch:
+    def batch(
+        self, prompts: list[list[int]], max_tokens: int, options: list[dict | None] | None = None, warmup: bool = False
+    ) -> Batch:
         """Serve every prompt at once (greedy, ignore_eos) and wait for all of them."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -89,9 +101,15 @@ class Engine:
         from vtoken.vllm_adapter import request_args, vtoken_stats
 
         options = options or [None] * len(prompts)
-        sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                              extra_args=request_args(**o) if (o and self.mode != "off") else None)
-               for o in options]
+        sps = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                extra_args=request_args(**o) if (o and self.mode != "off") else None,
+            )
+            for o in options
+        ]
         if self.cfg["mode"] != "off":
             vtoken_stats(self.llm, reset=True)
         t0 = time.perf_counter()
@@ -102,8 +120,17 @@ class Engine:
         served = []
         for o in outs:
             m = o.metrics
-            served.append(Served(len(o.prompt_token_ids), list(o.outputs[0].token_ids), m.num_preemptions,
-                                 m.scheduled_ts, m.first_token_ts, m.last_token_ts, finished.get(o.request_id, {})))
+            served.append(
+                Served(
+                    len(o.prompt_token_ids),
+                    list(o.outputs[0].token_ids),
+                    m.num_preemptions,
+                    m.scheduled_ts,
+                    m.first_token_ts,
+                    m.last_token_ts,
+                    finished.get(o.request_id, {}),
+                )
+            )
         engine = {k: v for k, v in stats.items() if k not in ("requests", "finished_requests")}
         return Batch(seconds, served, engine)
 
@@ -121,4 +148,4 @@ def real_prompts(model_dir: str, n: int, tokens: int | list[int], offset: int = 
     longest = max(lengths)
     span = max(1, len(ids) - longest)
     stride = max(1, span // max(n, 1))
-    return [ids[(offset + i * stride) % span:][:lengths[i]] for i in range(n)]
+    return [ids[(offset + i * stride) % span :][: lengths[i]] for i in range(n)]

@@ -35,11 +35,14 @@ def step_seconds(first_ts: float, last_ts: float, tokens: int) -> float:
 
 
 def _modes(budget: float) -> dict[str, tuple[str, dict | None]]:
-    return {"stock": ("stock", None), "off": ("off", None),
-            "vtoken-noevict": ("vtoken", {"policy": "streaming", "budget": 10 ** 9}),
-            "vtoken-streaming": ("vtoken", {"policy": "streaming", "budget": budget}),
-            "vtoken-h2o": ("vtoken", {"policy": "h2o", "budget": budget}),
-            "naive-h2o": ("naive", {"policy": "h2o", "budget": budget})}
+    return {
+        "stock": ("stock", None),
+        "off": ("off", None),
+        "vtoken-noevict": ("vtoken", {"policy": "streaming", "budget": 10**9}),
+        "vtoken-streaming": ("vtoken", {"policy": "streaming", "budget": budget}),
+        "vtoken-h2o": ("vtoken", {"policy": "h2o", "budget": budget}),
+        "naive-h2o": ("naive", {"policy": "h2o", "budget": budget}),
+    }
 
 
 def _stock_batch(model_dir: str, prompts, m: int, kw: dict):
@@ -50,17 +53,27 @@ def _stock_batch(model_dir: str, prompts, m: int, kw: dict):
     from vllm.inputs import TokensPrompt
 
     log("[stock] starting vLLM ...")
-    llm = LLM(model=model_dir, dtype="float32", block_size=32, enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=kw["kv_bytes"], max_model_len=kw["max_model_len"], disable_log_stats=False)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=kw["kv_bytes"],
+        max_model_len=kw["max_model_len"],
+        disable_log_stats=False,
+    )
     try:
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True),
+            use_tqdm=False,
+        )
         seconds = time.perf_counter() - t0
     finally:
         llm.llm_engine.engine_core.shutdown()
-    steps = [step_seconds(o.metrics.first_token_ts, o.metrics.last_token_ts, len(o.outputs[0].token_ids))
-             for o in outs]
+    steps = [step_seconds(o.metrics.first_token_ts, o.metrics.last_token_ts, len(o.outputs[0].token_ids)) for o in outs]
     return seconds, float(np.mean(steps)), {}
 
 
@@ -81,12 +94,20 @@ def run(args) -> dict:
             with Engine(model_dir, mode, cfg, **kw) as e:
                 b = e.batch(prompts, m)
             seconds, engine = b.seconds, b.engine
-            step = float(np.mean([step_seconds(s.first_token_ts, s.last_token_ts, len(s.output_tokens))
-                                  for s in b.served]))
-        rows.append({"mode": label, "seconds": seconds, "ms_per_step": 1000 * step,
-                     "compaction_seconds": engine.get("compaction_seconds", 0.0),
-                     "move_seconds": engine.get("move_seconds", 0.0), "tokens_moved": engine.get("tokens_moved", 0),
-                     "bytes_moved": engine.get("bytes_moved", 0)})
+            step = float(
+                np.mean([step_seconds(s.first_token_ts, s.last_token_ts, len(s.output_tokens)) for s in b.served])
+            )
+        rows.append(
+            {
+                "mode": label,
+                "seconds": seconds,
+                "ms_per_step": 1000 * step,
+                "compaction_seconds": engine.get("compaction_seconds", 0.0),
+                "move_seconds": engine.get("move_seconds", 0.0),
+                "tokens_moved": engine.get("tokens_moved", 0),
+                "bytes_moved": engine.get("bytes_moved", 0),
+            }
+        )
         log(f"[{label}] {seconds:.1f} s, {1000 * step:.1f} ms per decode step")
     by = {r["mode"]: r for r in rows}
     for r in rows:
@@ -96,26 +117,49 @@ def run(args) -> dict:
     scoring_share = 1 - by["vtoken-streaming"]["ms_per_step"] / by["vtoken-h2o"]["ms_per_step"]
     args_core = type("A", (), {"quick": args.quick, "tokens": 16384, "moves": 4096, "repeats": 10, "device": "cpu"})
     micro = core.run(args_core)
-    return {"model": model, "prompts": n, "prompt_tokens": plen, "max_tokens": m, "budget": args.budget,
-            "rows": rows, "scoring_share": scoring_share, "core": micro}
+    return {
+        "model": model,
+        "prompts": n,
+        "prompt_tokens": plen,
+        "max_tokens": m,
+        "budget": args.budget,
+        "rows": rows,
+        "scoring_share": scoring_share,
+        "core": micro,
+    }
 
 
 def tables(result: dict) -> list[Table]:
-    rows = [[r["mode"], round(r["ms_per_step"], 1), f"x{r['ratio_to_stock']:.3f}",
-             f"{100 * r['compaction_share']:.2f}%", f"{100 * r['move_share']:.2f}%", r["tokens_moved"]]
-            for r in result["rows"]]
+    rows = [
+        [
+            r["mode"],
+            round(r["ms_per_step"], 1),
+            f"x{r['ratio_to_stock']:.3f}",
+            f"{100 * r['compaction_share']:.2f}%",
+            f"{100 * r['move_share']:.2f}%",
+            r["tokens_moved"],
+        ]
+        for r in result["rows"]
+    ]
     c = result["core"]
-    micro = [["TokenTable bytes per token", f"{c['table']['bytes_per_token']:.2f} (paper: ~16)"],
-             ["planner moves / lower bound", f"{c['planner']['moves']} / {c['planner']['lower_bound']}"],
-             ["mover GB/s (vLLM CPU layout)", f"{c['mover']['gbps']:.2f}"],
-             ["plain copy_ GB/s, same bytes", f"{c['mover']['copy_gbps']:.2f}"]]
-    return [Table(f"Decode step time against stock vLLM ({result['model']}, {result['prompts']} x "
-                  f"{result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens, budget "
-                  f"{result['budget']})", ["mode", "ms/step", "vs stock", "scheduler compaction", "KV moves",
-                                            "tokens moved"], rows,
-                  f"Attention scoring (h2o against streaming at the same budget): "
-                  f"{100 * result['scoring_share']:.1f}% of h2o's step time."),
-            Table("Core figures", ["figure", "value"], micro)]
+    micro = [
+        ["TokenTable bytes per token", f"{c['table']['bytes_per_token']:.2f} (paper: ~16)"],
+        ["planner moves / lower bound", f"{c['planner']['moves']} / {c['planner']['lower_bound']}"],
+        ["mover GB/s (vLLM CPU layout)", f"{c['mover']['gbps']:.2f}"],
+        ["plain copy_ GB/s, same bytes", f"{c['mover']['copy_gbps']:.2f}"],
+    ]
+    return [
+        Table(
+            f"Decode step time against stock vLLM ({result['model']}, {result['prompts']} x "
+            f"{result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens, budget "
+            f"{result['budget']})",
+            ["mode", "ms/step", "vs stock", "scheduler compaction", "KV moves", "tokens moved"],
+            rows,
+            f"Attention scoring (h2o against streaming at the same budget): "
+            f"{100 * result['scoring_share']:.1f}% of h2o's step time.",
+        ),
+        Table("Core figures", ["figure", "value"], micro),
+    ]
 
 
 def plot(result: dict, fig) -> None:

@@ -62,15 +62,21 @@ def perplexity(model, ids: list[int], ctx: int, policy) -> float:
                 stats = {ATTN_SUM: acc[alive], ATTN_HIST: hist[alive]}
                 victims = policy.select(PolicyInput(n, t + 1, alive, {k: stats[k] for k in policy.needs}, None, 7))
                 live[victims] = False
-            mask = torch.tensor(live[:n + 1][None].astype(np.int64))
-            out = model(input_ids=torch.tensor([[ids[n]]]), position_ids=torch.tensor([[n]]), attention_mask=mask,
-                        past_key_values=cache, use_cache=True, output_attentions=bool(policy and policy.needs))
+            mask = torch.tensor(live[: n + 1][None].astype(np.int64))
+            out = model(
+                input_ids=torch.tensor([[ids[n]]]),
+                position_ids=torch.tensor([[n]]),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                output_attentions=bool(policy and policy.needs),
+            )
             if policy is not None and policy.needs:
                 w = _stats(out.attentions)
-                acc[:n + 1] += w
+                acc[: n + 1] += w
                 share = w / (len(out.attentions) * out.attentions[0].shape[1])
-                hot = (share > 1.0 / live[:n + 1].sum()).astype(np.int64)
-                hist[:n + 1] = (hist[:n + 1] << 1) | hot
+                hot = (share > 1.0 / live[: n + 1].sum()).astype(np.int64)
+                hist[: n + 1] = (hist[: n + 1] << 1) | hot
             cache, logits, n, decoded = out.past_key_values, out.logits[0, -1], n + 1, decoded + 1
     return float(np.mean(nll))
 
@@ -86,7 +92,7 @@ def _perplexities(model_dir: str, configs, ctx: int, t_eval: int, passages: int)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(python_docs()[:400_000])["input_ids"]
     stride = (len(ids) - ctx - t_eval) // max(passages, 1)
-    docs = [ids[i * stride: i * stride + ctx + t_eval] for i in range(passages)]
+    docs = [ids[i * stride : i * stride + ctx + t_eval] for i in range(passages)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     out = {}
     for label, (policy, budget) in configs.items():
@@ -110,7 +116,7 @@ def passkey_prompts(model_dir: str, n: int, haystack: int, seed: int = 0) -> tup
     for i in range(n):
         key = str(rng.integers(10000, 99999))
         depth = (i + 0.5) / n
-        hay = text[i * haystack: (i + 1) * haystack]
+        hay = text[i * haystack : (i + 1) * haystack]
         cut = int(depth * len(hay))
         needle = tok(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")["input_ids"]
         question = tok("\nWhat is the pass key? The pass key is")["input_ids"]
@@ -134,8 +140,11 @@ def _passkey(model_dir: str, configs, n_keys: int, haystack: int) -> dict:
         chosen = {k: v for k, v in evicting.items() if mode == "vtoken" or v[0] == "h2o"}
         reqs = [(label, i) for label in chosen for i in range(n_keys)]
         with Engine(model_dir, mode, {"policy": "h2o", "collect_scores": True}, **kw) as e:
-            b = e.batch([prompts[i] for _, i in reqs], 8,
-                        [{"policy": chosen[label][0], "budget": chosen[label][1]} for label, _ in reqs])
+            b = e.batch(
+                [prompts[i] for _, i in reqs],
+                8,
+                [{"policy": chosen[label][0], "budget": chosen[label][1]} for label, _ in reqs],
+            )
         for (label, i), s in zip(reqs, b.served):
             out.setdefault(f"{mode}:{label}", [None] * n_keys)[i] = tok.decode(s.output_tokens)
     hits = {k: sum(key in text for key, text in zip(keys, v)) / n_keys for k, v in out.items()}
@@ -147,8 +156,16 @@ def run(args) -> dict:
     from vtoken.models import model_path
 
     if args.quick:
-        model, policies, budgets, ctx, t_eval, passages, n_keys, hay = "tiny-llama", ["h2o", "random"], [0.25], \
-            64, 16, 1, 2, 96
+        model, policies, budgets, ctx, t_eval, passages, n_keys, hay = (
+            "tiny-llama",
+            ["h2o", "random"],
+            [0.25],
+            64,
+            16,
+            1,
+            2,
+            96,
+        )
     else:
         model, policies, budgets = args.model, args.policies.split(","), [float(b) for b in args.budgets.split(",")]
         ctx, t_eval, passages, n_keys, hay = args.context, args.eval_tokens, args.passages, args.keys, args.haystack
@@ -157,8 +174,17 @@ def run(args) -> dict:
     ppl = _perplexities(model_dir, configs, ctx, t_eval, passages)
     pk = _passkey(model_dir, configs, n_keys, hay)
     log(f"[passkey] accuracy: {pk['accuracy']}")
-    return {"model": model, "policies": policies, "budgets": budgets, "context": ctx, "eval_tokens": t_eval,
-            "passages": passages, "haystack": hay, "perplexity": ppl, "passkey": pk}
+    return {
+        "model": model,
+        "policies": policies,
+        "budgets": budgets,
+        "context": ctx,
+        "eval_tokens": t_eval,
+        "passages": passages,
+        "haystack": hay,
+        "perplexity": ppl,
+        "passkey": pk,
+    }
 
 
 def tables(result: dict) -> list[Table]:
@@ -168,13 +194,25 @@ def tables(result: dict) -> list[Table]:
     for label, r in result["perplexity"].items():
         if label == "full":
             continue
-        rows.append([r["policy"], r["budget"], round(r["perplexity"], 2), f"{100 * (r['perplexity'] / base - 1):+.1f}%",
-                     f"{100 * acc.get('vtoken:' + label, float('nan')):.0f}%"])
-    return [Table(f"Output quality against full KV ({result['model']}): perplexity over {result['passages']} x "
-                  f"{result['eval_tokens']} tokens after {result['context']} tokens of CPython's reference text; "
-                  f"passkey retrieval in {result['haystack']} tokens of text, {len(result['passkey']['keys'])} keys",
-                  ["policy", "budget", "perplexity", "vs full KV", "passkey hits (vtoken)"], rows,
-                  f"naive and vtoken answers identical: {result['passkey']['naive_equals_vtoken']}.")]
+        rows.append(
+            [
+                r["policy"],
+                r["budget"],
+                round(r["perplexity"], 2),
+                f"{100 * (r['perplexity'] / base - 1):+.1f}%",
+                f"{100 * acc.get('vtoken:' + label, float('nan')):.0f}%",
+            ]
+        )
+    return [
+        Table(
+            f"Output quality against full KV ({result['model']}): perplexity over {result['passages']} x "
+            f"{result['eval_tokens']} tokens after {result['context']} tokens of CPython's reference text; "
+            f"passkey retrieval in {result['haystack']} tokens of text, {len(result['passkey']['keys'])} keys",
+            ["policy", "budget", "perplexity", "vs full KV", "passkey hits (vtoken)"],
+            rows,
+            f"naive and vtoken answers identical: {result['passkey']['naive_equals_vtoken']}.",
+        )
+    ]
 
 
 def plot(result: dict, fig) -> None:

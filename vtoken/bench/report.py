@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 
 class Table(NamedTuple):
@@ -36,8 +37,10 @@ def write(out: Path, name: str, result: dict, tables: list[Table], plot: Callabl
     """``name.md`` (command, machine, tables) and ``name.png`` (``plot(result, fig)`` draws on ``fig``)."""
     paths = []
     m = result["machine"]
-    head = (f"`{result['command']}` - {result['seconds']:.0f} s on {m['processor']}, {m['cpus']} CPUs, "
-            f"torch {m['torch']}, vLLM {m.get('vllm', '-')}\n\n")
+    head = (
+        f"`{result['command']}` - {result['seconds']:.0f} s on {m['processor']}, {m['cpus']} CPUs, "
+        f"torch {m['torch']}, vLLM {m.get('vllm', '-')}\n\n"
+    )
     md = out / f"{name}.md"
     md.write_text(head + markdown(tables))
     paths.append(md)

@@ -55,15 +55,32 @@ async def _one(engine, prompt, sp, rid: str, delay: float) -> dict:
 
 async def _serve(engine, prompts, sp, arrivals, tag: str) -> dict:
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(_one(engine, p, sp, f"{tag}-{i}", a) for i, (p, a) in enumerate(zip(prompts, arrivals))))
+    res = await asyncio.gather(
+        *(_one(engine, p, sp, f"{tag}-{i}", a) for i, (p, a) in enumerate(zip(prompts, arrivals)))
+    )
     span = max(r["end"] for r in res) - t0
-    return {"p90_ttft": float(np.percentile([r["ttft"] for r in res], 90)),
-            "p90_tpot": float(np.percentile([r["tpot"] for r in res], 90)),
-            "throughput": len(res) / span, "tokens_per_s": sum(r["tokens"] for r in res) / span, "requests": res}
+    return {
+        "p90_ttft": float(np.percentile([r["ttft"] for r in res], 90)),
+        "p90_tpot": float(np.percentile([r["tpot"] for r in res], 90)),
+        "throughput": len(res) / span,
+        "tokens_per_s": sum(r["tokens"] for r in res) / span,
+        "requests": res,
+    }
 
 
-async def _mode(model_dir: str, mode: str, cfg: dict, kw: dict, prompts, m: int, rates, n: int, seed: int,
-                sla: dict | None, factors: tuple[float, float]) -> dict:
+async def _mode(
+    model_dir: str,
+    mode: str,
+    cfg: dict,
+    kw: dict,
+    prompts,
+    m: int,
+    rates,
+    n: int,
+    seed: int,
+    sla: dict | None,
+    factors: tuple[float, float],
+) -> dict:
     """Serve the rates in order until one misses the SLA. ``sla=None`` (the off engine, first): derive
     the SLA from this engine's solo request."""
     from vllm import SamplingParams
@@ -88,8 +105,10 @@ async def _mode(model_dir: str, mode: str, cfg: dict, kw: dict, prompts, m: int,
             if mode != "off":
                 r["preemptions_seen"] = (await vtoken_stats_async(engine))["preemptions_seen"]
             out["rates"].append({k: v for k, v in r.items() if k != "requests"})
-            log(f"[{mode}] {rate} req/s: p90 TTFT {r['p90_ttft']:.2f} s, p90 TPOT {1000 * r['p90_tpot']:.0f} ms, "
-                f"{r['throughput']:.2f} req/s -> {'meets' if r['meets_sla'] else 'misses'} the SLA")
+            log(
+                f"[{mode}] {rate} req/s: p90 TTFT {r['p90_ttft']:.2f} s, p90 TPOT {1000 * r['p90_tpot']:.0f} ms, "
+                f"{r['throughput']:.2f} req/s -> {'meets' if r['meets_sla'] else 'misses'} the SLA"
+            )
             if not r["meets_sla"]:
                 break
         ok = [r for r in out["rates"] if r["meets_sla"]]
@@ -110,9 +129,17 @@ def run(args) -> dict:
         rates = [float(r) for r in args.rates.split(",")]
     model_dir = str(model_path(model))
     prompts = real_prompts(model_dir, n, plen)
-    kw = dict(dtype="float32", block_size=32, kv_cache_memory_bytes=(pool + 1) * _block_bytes(model_dir, 32),
-              max_model_len=plen + m + 64, enforce_eager=True, seed=0, enable_prefix_caching=False,
-              max_num_seqs=64, disable_log_stats=False)
+    kw = dict(
+        dtype="float32",
+        block_size=32,
+        kv_cache_memory_bytes=(pool + 1) * _block_bytes(model_dir, 32),
+        max_model_len=plen + m + 64,
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=False,
+        max_num_seqs=64,
+        disable_log_stats=False,
+    )
     cfg = {"policy": args.policy, "budget": args.budget}
     factors = (args.ttft_factor, args.tpot_factor)
     modes = {"off": asyncio.run(_mode(model_dir, "off", cfg, kw, prompts, m, rates, n, args.seed, None, factors))}
@@ -120,27 +147,54 @@ def run(args) -> dict:
     for mode in ("naive", "vtoken"):
         modes[mode] = asyncio.run(_mode(model_dir, mode, cfg, kw, prompts, m, rates, n, args.seed, sla, factors))
     nv, vt = modes["naive"]["max_rate"], modes["vtoken"]["max_rate"]
-    return {"model": model, "policy": args.policy, "budget": args.budget, "prompt_tokens": plen, "max_tokens": m,
-            "pool_blocks": pool, "requests_per_rate": n, "rates": rates, "sla": sla, "solo": modes["off"]["solo"],
-            "modes": modes, "ratio_vs_naive": vt / nv if nv else None,
-            "throughput_ratio_vs_naive": (modes["vtoken"]["throughput_at_max"] / modes["naive"]["throughput_at_max"]
-                                          if modes["naive"]["throughput_at_max"] else None)}
+    return {
+        "model": model,
+        "policy": args.policy,
+        "budget": args.budget,
+        "prompt_tokens": plen,
+        "max_tokens": m,
+        "pool_blocks": pool,
+        "requests_per_rate": n,
+        "rates": rates,
+        "sla": sla,
+        "solo": modes["off"]["solo"],
+        "modes": modes,
+        "ratio_vs_naive": vt / nv if nv else None,
+        "throughput_ratio_vs_naive": (
+            modes["vtoken"]["throughput_at_max"] / modes["naive"]["throughput_at_max"]
+            if modes["naive"]["throughput_at_max"]
+            else None
+        ),
+    }
 
 
 def tables(result: dict) -> list[Table]:
     rows = []
     for mode, r in result["modes"].items():
         best = next((x for x in r["rates"] if x["rate"] == r["max_rate"]), None)
-        rows.append([mode, r["max_rate"], round(r["throughput_at_max"], 3),
-                     round(best["p90_ttft"], 2) if best else "-", round(1000 * best["p90_tpot"]) if best else "-"])
+        rows.append(
+            [
+                mode,
+                r["max_rate"],
+                round(r["throughput_at_max"], 3),
+                round(best["p90_ttft"], 2) if best else "-",
+                round(1000 * best["p90_tpot"]) if best else "-",
+            ]
+        )
     ratio = result["ratio_vs_naive"]
     s = result["sla"]
-    return [Table(f"Highest Poisson arrival rate within the SLA ({result['model']}, {result['policy']} at budget "
-                  f"{result['budget']}, {result['pool_blocks']}-block pool, {result['prompt_tokens']}-token prompts, "
-                  f"{result['max_tokens']} output tokens, {result['requests_per_rate']} requests per rate)",
-                  ["mode", "max rate (req/s)", "completed req/s there", "p90 TTFT (s)", "p90 TPOT (ms)"], rows,
-                  f"SLA: p90 TTFT <= {s['ttft']:.2f} s and p90 TPOT <= {1000 * s['tpot']:.0f} ms. vtoken / naive: "
-                  + (f"x{ratio:.2f}" if ratio else "n/a") + " (paper: up to 1.37x).")]
+    return [
+        Table(
+            f"Highest Poisson arrival rate within the SLA ({result['model']}, {result['policy']} at budget "
+            f"{result['budget']}, {result['pool_blocks']}-block pool, {result['prompt_tokens']}-token prompts, "
+            f"{result['max_tokens']} output tokens, {result['requests_per_rate']} requests per rate)",
+            ["mode", "max rate (req/s)", "completed req/s there", "p90 TTFT (s)", "p90 TPOT (ms)"],
+            rows,
+            f"SLA: p90 TTFT <= {s['ttft']:.2f} s and p90 TPOT <= {1000 * s['tpot']:.0f} ms. vtoken / naive: "
+            + (f"x{ratio:.2f}" if ratio else "n/a")
+            + " (paper: up to 1.37x).",
+        )
+    ]
 
 
 def plot(result: dict, fig) -> None:

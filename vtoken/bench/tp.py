@@ -34,9 +34,19 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
     from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats
 
     cfg = VTokenConfig(mode="vtoken", policy=policy, budget=args.budget)
-    llm = make_llm(model_dir, cfg, dtype="float32", block_size=32, max_model_len=4096, enforce_eager=True, seed=0,
-                   kv_cache_memory_bytes=(256 << 20) // args.tp, skip_tokenizer_init=True,
-                   tensor_parallel_size=args.tp, distributed_executor_backend="mp")
+    llm = make_llm(
+        model_dir,
+        cfg,
+        dtype="float32",
+        block_size=32,
+        max_model_len=4096,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=(256 << 20) // args.tp,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp",
+    )
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
         t0 = time.perf_counter()
@@ -49,18 +59,28 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
     finally:
         llm.llm_engine.engine_core.shutdown()
     steps = args.max_tokens
-    row = {"policy": policy, "seconds": seconds, "ms_per_step": 1000 * seconds / steps, "ranks": ranks,
-           "score_bytes_per_step": ranks[0]["score_bytes_per_step"], "score_us_per_step":
-           max(r["score_us_per_step"] for r in ranks), "check_us_per_step": max(r["check_us_per_step"] for r in ranks),
-           "exchange_share": max(r["score_seconds"] + r["check_seconds"] for r in ranks) / seconds,
-           "tokens_moved": engine.get("tokens_moved", 0), "probe": probe,
-           "probe_score_us": max(r["score_us"] for r in probe), "probe_check_us": max(r["check_us"] for r in probe)}
-    log(f"[{policy}] TP={args.tp}: {row['ms_per_step']:.1f} ms/step; score all-reduce "
+    row = {
+        "policy": policy,
+        "seconds": seconds,
+        "ms_per_step": 1000 * seconds / steps,
+        "ranks": ranks,
+        "score_bytes_per_step": ranks[0]["score_bytes_per_step"],
+        "score_us_per_step": max(r["score_us_per_step"] for r in ranks),
+        "check_us_per_step": max(r["check_us_per_step"] for r in ranks),
+        "exchange_share": max(r["score_seconds"] + r["check_seconds"] for r in ranks) / seconds,
+        "tokens_moved": engine.get("tokens_moved", 0),
+        "probe": probe,
+        "probe_score_us": max(r["score_us"] for r in probe),
+        "probe_check_us": max(r["check_us"] for r in probe),
+    }
+    log(
+        f"[{policy}] TP={args.tp}: {row['ms_per_step']:.1f} ms/step; score all-reduce "
         f"{row['score_bytes_per_step']:.0f} B/step in {row['score_us_per_step']:.0f} us over "
         f"{ranks[0]['score_steps']} steps; plan check {row['check_us_per_step']:.0f} us over "
         f"{ranks[0]['check_steps']} steps; {100 * row['exchange_share']:.2f}% of generation time; "
         f"ranks in step ({ranks[0]['backend']}): all-reduce of {4 * numel} B {row['probe_score_us']:.0f} us, "
-        f"plan check {row['probe_check_us']:.0f} us")
+        f"plan check {row['probe_check_us']:.0f} us"
+    )
     return row
 
 
@@ -73,13 +93,19 @@ def run(args) -> dict:
     if args.quick:
         args.max_tokens = 16
     cpus = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cpus[:args.tp])))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cpus[: args.tp])))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 49000, plen).tolist() for _ in range(n)]
     model_dir = str(model_path("tiny-llama"))
     rows = [_run_policy(model_dir, p, args, prompts) for p in ("h2o", "streaming")]
-    return {"model": "tiny-llama", "tp": args.tp, "prompts": n, "prompt_tokens": plen,
-            "max_tokens": args.max_tokens, "rows": rows}
+    return {
+        "model": "tiny-llama",
+        "tp": args.tp,
+        "prompts": n,
+        "prompt_tokens": plen,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
 
 
 def main() -> None:

@@ -12,26 +12,26 @@ the naive and vtoken modes, reach the same decision from the same input.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 # Names of the per-token statistics an engine can provide (aligned with PolicyInput.live).
-ATTN_SUM = "attn_sum"    # float: attention weight the token received, summed over heads, layers, steps
+ATTN_SUM = "attn_sum"  # float: attention weight the token received, summed over heads, layers, steps
 ATTN_HIST = "attn_hist"  # int64 bit register: bit j set if, j decode steps ago, the token's attention
-                         # exceeded the uniform share 1 / num_live (bit 0 = the latest step)
+# exceeded the uniform share 1 / num_live (bit 0 = the latest step)
 
 
 class PolicyInput(NamedTuple):
     """What a policy sees for one request at one decode step. Arrays are aligned with ``live``."""
 
-    num_logical: int                  # tokens so far (prompt + output), the "context"
-    step: int                         # decode steps done so far (1 after the first decode step)
-    live: np.ndarray                  # int64 logical positions of live tokens, ascending
+    num_logical: int  # tokens so far (prompt + output), the "context"
+    step: int  # decode steps done so far (1 after the first decode step)
+    live: np.ndarray  # int64 logical positions of live tokens, ascending
     stats: dict[str, np.ndarray] = {}  # statistics named in the policy's ``needs``
     protected: np.ndarray | None = None  # bool: token may not be evicted (shared block, ...)
-    request_seed: int = 0             # stable per-request number, for randomised policies
+    request_seed: int = 0  # stable per-request number, for randomised policies
 
 
 @dataclass(frozen=True)

@@ -20,53 +20,80 @@ class VTokenConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Literal["off", "naive", "vtoken"] = Field(
-        "vtoken", description="off: stock vLLM. naive: evict tokens but hold every block that still has a live "
-        "token at its original position (the Naive-Evict baseline). vtoken: evict and repack, freeing blocks.")
+        "vtoken",
+        description="off: stock vLLM. naive: evict tokens but hold every block that still has a live "
+        "token at its original position (the Naive-Evict baseline). vtoken: evict and repack, freeing blocks.",
+    )
     policy: str = Field("h2o", description="eviction policy: h2o, scissorhands, random, streaming")
     budget: float = Field(0.5, description="live tokens kept per request: a ratio (< 1) of the context, or a count")
     interval: int = Field(1, ge=1, description="evict every N decode steps")
     sink: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     recent: int = Field(16, ge=0, description="most recent tokens never evicted")
     seed: int = Field(0, description="seed for randomised policies")
-    policy_params: dict[str, Any] = Field(default_factory=dict,
-                                          description="extra policy parameters, e.g. {'history': 32}")
-    trace_path: str | None = Field(None, description="append one JSON line per finished request: prompt and "
-                                   "output token ids and the decode step at which each evicted token died")
-    collect_scores: bool = Field(False, description="collect attention statistics even when the engine's "
-                                 "policy needs none, so that single requests may choose h2o or scissorhands")
-    relocate_every: int = Field(0, ge=0, description="testing: every N decode steps move every request's KV "
-                                "into fresh blocks (same slot order); outputs must not change. 0 = never")
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="extra policy parameters, e.g. {'history': 32}"
+    )
+    trace_path: str | None = Field(
+        None,
+        description="append one JSON line per finished request: prompt and "
+        "output token ids and the decode step at which each evicted token died",
+    )
+    collect_scores: bool = Field(
+        False,
+        description="collect attention statistics even when the engine's "
+        "policy needs none, so that single requests may choose h2o or scissorhands",
+    )
+    relocate_every: int = Field(
+        0,
+        ge=0,
+        description="testing: every N decode steps move every request's KV "
+        "into fresh blocks (same slot order); outputs must not change. 0 = never",
+    )
     fault: Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only"] | None = Field(
-        None, description="testing only, negative controls: skip the KV copies, or feed physical positions to "
+        None,
+        description="testing only, negative controls: skip the KV copies, or feed physical positions to "
         "RoPE; both must break exactness. Tensor parallelism: TP rank 1 raises while applying a plan (the "
-        "engine must stop), or attention statistics from rank 0's heads only (H2O's decisions must change)")
+        "engine must stop), or attention statistics from rank 0's heads only (H2O's decisions must change)",
+    )
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
         from vtoken.policies import POLICIES
+
         if v not in POLICIES:
             raise ValueError(f"unknown eviction policy {v!r}; known: {', '.join(sorted(POLICIES))}")
         return v
 
     def make_policy(self) -> EvictionPolicy:
-        return make_policy(self.policy, budget=self.budget, interval=self.interval, sink=self.sink,
-                           recent=self.recent, seed=self.seed, **self.policy_params)
+        return make_policy(
+            self.policy,
+            budget=self.budget,
+            interval=self.interval,
+            sink=self.sink,
+            recent=self.recent,
+            seed=self.seed,
+            **self.policy_params,
+        )
 
-    def for_request(self, overrides: dict[str, Any] | None) -> "VTokenConfig":
+    def for_request(self, overrides: dict[str, Any] | None) -> VTokenConfig:
         """This config with one request's choices applied (see ``request_args``); raises ValueError."""
         if not overrides:
             return self
         unknown = set(overrides) - REQUEST_KEYS
         if unknown:
-            raise ValueError(f"vtoken request options {sorted(unknown)} are not per-request; "
-                             f"a request may set {sorted(REQUEST_KEYS)}")
+            raise ValueError(
+                f"vtoken request options {sorted(unknown)} are not per-request; "
+                f"a request may set {sorted(REQUEST_KEYS)}"
+            )
         cfg = self.model_copy(update=dict(overrides))
         cfg = VTokenConfig(**cfg.model_dump())  # model_copy does not validate
         needs = set(cfg.make_policy().needs)
         if needs and not (self.collect_scores or self.make_policy().needs):
-            raise ValueError(f"policy {cfg.policy!r} needs attention statistics this engine does not collect; "
-                             "start it with collect_scores=True or an attention policy")
+            raise ValueError(
+                f"policy {cfg.policy!r} needs attention statistics this engine does not collect; "
+                "start it with collect_scores=True or an attention policy"
+            )
         return cfg
 
     @property
@@ -74,7 +101,7 @@ class VTokenConfig(BaseModel):
         return self.mode != "off"
 
     @classmethod
-    def from_vllm(cls, vllm_config) -> "VTokenConfig":
+    def from_vllm(cls, vllm_config) -> VTokenConfig:
         extra = getattr(vllm_config, "additional_config", None) or {}
         raw = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
         return cls(**raw) if raw else cls(mode="off")

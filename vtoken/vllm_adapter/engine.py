@@ -19,20 +19,30 @@ WORKERS = {"cpu": "vtoken.vllm_adapter.worker.VTokenCPUWorker", "cuda": "vtoken.
 
 # Features whose semantics clash with token eviction: refused at start-up rather than silently wrong.
 REFUSED = {
-    "speculative_config": (lambda v: v is not None,
-                           "speculative decoding verifies draft tokens against KV that eviction rewrites"),
-    "async_scheduling": (lambda v: bool(v),
-                         "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps"),
+    "speculative_config": (
+        lambda v: v is not None,
+        "speculative decoding verifies draft tokens against KV that eviction rewrites",
+    ),
+    "async_scheduling": (
+        lambda v: bool(v),
+        "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps",
+    ),
     "pipeline_parallel_size": (lambda v: (v or 1) > 1, "pipeline parallelism is not supported with vToken"),
     # Tensor parallelism is supported (tp.py): one scheduler decides, every rank moves its own heads' slice.
     # These split a request's TOKENS across ranks, or give every rank its own scheduler, which breaks that.
-    "decode_context_parallel_size": (lambda v: (v or 1) > 1,
-                                     "context parallelism splits a request's tokens across ranks"),
-    "prefill_context_parallel_size": (lambda v: (v or 1) > 1,
-                                      "context parallelism splits a request's tokens across ranks"),
-    "distributed_executor_backend": (lambda v: v == "external_launcher",
-                                     "every rank would run its own scheduler and make its own eviction "
-                                     "decisions; vToken makes one decision per request for all ranks"),
+    "decode_context_parallel_size": (
+        lambda v: (v or 1) > 1,
+        "context parallelism splits a request's tokens across ranks",
+    ),
+    "prefill_context_parallel_size": (
+        lambda v: (v or 1) > 1,
+        "context parallelism splits a request's tokens across ranks",
+    ),
+    "distributed_executor_backend": (
+        lambda v: v == "external_launcher",
+        "every rank would run its own scheduler and make its own eviction "
+        "decisions; vToken makes one decision per request for all ranks",
+    ),
 }
 
 
@@ -56,9 +66,14 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
     # V1 model runner: the overrides mirror its _prepare_inputs/_update_states (the V2 runner differs).
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
-    return {**kwargs, "scheduler_cls": SCHEDULER, "worker_cls": WORKERS[_platform()],
-            "additional_config": extra, "enable_prefix_caching": bool(kwargs.get("enable_prefix_caching")),
-            "async_scheduling": False}
+    return {
+        **kwargs,
+        "scheduler_cls": SCHEDULER,
+        "worker_cls": WORKERS[_platform()],
+        "additional_config": extra,
+        "enable_prefix_caching": bool(kwargs.get("enable_prefix_caching")),
+        "async_scheduling": False,
+    }
 
 
 def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):

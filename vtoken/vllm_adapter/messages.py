@@ -17,9 +17,9 @@ from vtoken.mover import MoveBatch
 class VTokenStep:
     """Scheduler -> worker, once per step, applied before that step's forward."""
 
-    moves: MoveBatch                                        # global slots, all requests, one batch
+    moves: MoveBatch  # global slots, all requests, one batch
     keep_blocks: dict[str, int] = field(default_factory=dict)  # req -> blocks it keeps (tail was freed)
-    gaps: dict[str, int] = field(default_factory=dict)      # req -> logical - physical length (changes only)
+    gaps: dict[str, int] = field(default_factory=dict)  # req -> logical - physical length (changes only)
     want_scores: dict[str, tuple[str, ...]] = field(default_factory=dict)  # req -> stats its next step needs
     replace_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> its whole new block list
 

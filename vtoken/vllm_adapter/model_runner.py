@@ -105,7 +105,8 @@ class VTokenRunnerMixin:
                 self.seq_lens[:num_reqs] -= g.to(self.seq_lens.device, self.seq_lens.dtype)
                 self.optimistic_seq_lens_cpu[:num_reqs] -= g.to(self.optimistic_seq_lens_cpu.dtype)
                 self.input_batch.block_table.compute_slot_mapping(
-                    num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+                    num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical
+                )
                 if self.vt.fault == "physical_rope":  # negative control: RoPE sees physical positions
                     self.positions[:total] = physical
         if self.vt_scorer is not None:
@@ -125,8 +126,7 @@ class VTokenRunnerMixin:
                 for row, seq_len in zip(scorer.rows, scorer.lens):
                     rid = self.input_batch.req_ids[row]
                     if rid in self.vt_want and rid in self.requests:
-                        vt.stats[rid] = scorer.export(self.requests[rid].block_ids[0], int(seq_len),
-                                                      self.vt_want[rid])
+                        vt.stats[rid] = scorer.export(self.requests[rid].block_ids[0], int(seq_len), self.vt_want[rid])
         target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
         if target is not None:
             target.vtoken = vt

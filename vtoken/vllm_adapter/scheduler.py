@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vtoken.accounting import floor_blocks, naive_retained_blocks
@@ -49,17 +48,19 @@ class VTokenScheduler(Scheduler):
         self.vt_req_policy: dict[str, Any] = {}
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
-            raise ValueError("vToken supports models with one full-attention KV cache group; this model has "
-                             f"{[type(m).__name__ for m in managers]}")
+            raise ValueError(
+                "vToken supports models with one full-attention KV cache group; this model has "
+                f"{[type(m).__name__ for m in managers]}"
+            )
         self.vt_manager = managers[0]
         self.vt_pool = self.kv_cache_manager.block_pool
         self.vt_bs = self.vt_manager.block_size
         self.vt_tables: dict[str, TokenTable] = {}
         self.vt_records: dict[str, RequestRecord] = {}
-        self.vt_ballast: dict[str, list] = {}           # naive mode: blocks held as Naive-Evict would
+        self.vt_ballast: dict[str, list] = {}  # naive mode: blocks held as Naive-Evict would
         self.vt_stats_in: dict[str, dict[str, np.ndarray]] = {}
         self.vt_gap_sent: dict[str, int] = {}
-        self.vt_dirty: set[str] = set()                 # requests that lost tokens: never prefix-cached again
+        self.vt_dirty: set[str] = set()  # requests that lost tokens: never prefix-cached again
         self.vt_totals = EngineTotals()
         self._wrap_coordinator()
 
@@ -114,13 +115,16 @@ class VTokenScheduler(Scheduler):
             if table is None:
                 table = self.vt_tables[rid] = TokenTable(self.vt_bs)
                 p = self._policy_for(request)
-                self.vt_records[rid] = RequestRecord(rid, request_seed(_external_id(rid)), policy=p.name,
-                                                     budget=p.budget)
+                self.vt_records[rid] = RequestRecord(
+                    rid, request_seed(_external_id(rid)), policy=p.name, budget=p.budget
+                )
             policy = self.vt_req_policy[rid]
             new = request.num_computed_tokens - table.num_logical
             if new < 0:
-                raise RuntimeError(f"vtoken: request {rid} has {request.num_computed_tokens} computed tokens but "
-                                   f"its TokenTable holds {table.num_logical}: state diverged")
+                raise RuntimeError(
+                    f"vtoken: request {rid} has {request.num_computed_tokens} computed tokens but "
+                    f"its TokenTable holds {table.num_logical}: state diverged"
+                )
             table.append(new)
             decoding = request.num_computed_tokens >= request.num_prompt_tokens and request.num_output_tokens > 0
             if not decoding:
@@ -179,8 +183,9 @@ class VTokenScheduler(Scheduler):
         if stats:
             slots = table.slot_of[live]
             named = {name: stats[name][slots] for name in policy.needs}
-        inp = PolicyInput(table.num_logical, step, live, named, self._protected(rid, table, live),
-                          self.vt_records[rid].seed)
+        inp = PolicyInput(
+            table.num_logical, step, live, named, self._protected(rid, table, live), self.vt_records[rid].seed
+        )
         return policy.select(inp)
 
     def _shared_blocks(self, rid: str) -> np.ndarray:
@@ -207,8 +212,8 @@ class VTokenScheduler(Scheduler):
         table.apply_moves(plan.src, plan.dst, plan.physical_len)
         # Blocks past the packed length are empty now; vLLM's allocate_slots adds back the block the next
         # token needs, sized by the physical length.
-        freed = blocks[plan.keep_blocks:]
-        del blocks[plan.keep_blocks:]
+        freed = blocks[plan.keep_blocks :]
+        del blocks[plan.keep_blocks :]
         cached = self.vt_manager.num_cached_block
         if rid in cached:
             cached[rid] = min(cached[rid], plan.keep_blocks)
@@ -229,8 +234,10 @@ class VTokenScheduler(Scheduler):
             return MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64))
         new = self.vt_pool.get_new_blocks(len(old))
         slots = np.arange(table.physical_len)
-        batch = MoveBatch(to_global_slots(slots, [b.block_id for b in old], self.vt_bs),
-                          to_global_slots(slots, [b.block_id for b in new], self.vt_bs))
+        batch = MoveBatch(
+            to_global_slots(slots, [b.block_id for b in old], self.vt_bs),
+            to_global_slots(slots, [b.block_id for b in new], self.vt_bs),
+        )
         self.vt_manager.req_to_blocks[rid] = new
         self.vt_pool.free_blocks(reversed(old))
         relocate[rid] = [b.block_id for b in new]
@@ -245,8 +252,9 @@ class VTokenScheduler(Scheduler):
             if table is None or request.num_output_tokens == 0:
                 continue
             held = len(self.vt_manager.req_to_blocks.get(rid, [])) + len(self.vt_ballast.get(rid, []))
-            self.vt_records[rid].observe(held, naive_retained_blocks(table.live_mask(), self.vt_bs),
-                                         floor_blocks(table.num_live, self.vt_bs))
+            self.vt_records[rid].observe(
+                held, naive_retained_blocks(table.live_mask(), self.vt_bs), floor_blocks(table.num_live, self.vt_bs)
+            )
 
     def _settle_ballast(self) -> None:
         """Naive mode: hold exactly the blocks Naive-Evict would hold, beyond what the packed layout needs.
@@ -263,8 +271,8 @@ class VTokenScheduler(Scheduler):
             want = naive_retained_blocks(live, self.vt_bs) - floor_blocks(table.physical_len + 1, self.vt_bs)
             held = self.vt_ballast.setdefault(rid, [])
             if len(held) > want:
-                extra = held[max(want, 0):]
-                del held[max(want, 0):]
+                extra = held[max(want, 0) :]
+                del held[max(want, 0) :]
                 self.vt_pool.free_blocks(reversed(extra))
             elif len(held) < want:
                 n = min(want - len(held), self.vt_pool.get_num_free_blocks())
@@ -302,12 +310,19 @@ class VTokenScheduler(Scheduler):
         super()._free_request_blocks(request)
 
     def _finish_record(self, request, table: TokenTable, record: RequestRecord) -> None:
-        record.finish(table, self.vt_manager.req_to_blocks.get(request.request_id, []),
-                      len(self.vt_ballast.get(request.request_id, [])))
+        record.finish(
+            table,
+            self.vt_manager.req_to_blocks.get(request.request_id, []),
+            len(self.vt_ballast.get(request.request_id, [])),
+        )
         self.vt_totals.add_finished(record)
         if self.vt.trace_path:
-            line = {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids or []),
-                    "output_token_ids": list(request.output_token_ids), **record.trace()}
+            line = {
+                "request_id": request.request_id,
+                "prompt_token_ids": list(request.prompt_token_ids or []),
+                "output_token_ids": list(request.output_token_ids),
+                **record.trace(),
+            }
             with open(self.vt.trace_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
@@ -319,10 +334,18 @@ class VTokenScheduler(Scheduler):
         for rid, table in self.vt_tables.items():
             n_blocks = len(self.vt_manager.req_to_blocks.get(rid, []))
             reqs[rid] = self.vt_records[rid].snapshot(table, n_blocks, len(self.vt_ballast.get(rid, [])))
-        out = {"mode": self.vt.mode, "policy": self.vt.policy, "block_size": self.vt_bs,
-                "free_blocks": self.vt_pool.get_num_free_blocks(), "total_blocks": self.vt_pool.num_gpu_blocks - 1,
-                "kv_cache_usage": self.vt_pool.get_usage(), "running": len(self.running),
-                "waiting": len(self.waiting), "requests": reqs, **self.vt_totals.summary(reqs, self.vt_bs)}
+        out = {
+            "mode": self.vt.mode,
+            "policy": self.vt.policy,
+            "block_size": self.vt_bs,
+            "free_blocks": self.vt_pool.get_num_free_blocks(),
+            "total_blocks": self.vt_pool.num_gpu_blocks - 1,
+            "kv_cache_usage": self.vt_pool.get_usage(),
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "requests": reqs,
+            **self.vt_totals.summary(reqs, self.vt_bs),
+        }
         if reset:
             self.vt_totals.peak_running = len(self.running)
             self.vt_totals.finished.clear()
@@ -343,9 +366,11 @@ def _install_engine_core_utility() -> None:
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, "vtoken_stats"):
+
         def vtoken_stats(self, reset: bool = False) -> dict[str, Any]:
             fn = getattr(self.scheduler, "vtoken_stats", None)
             return fn(reset) if fn else {"mode": "off"}
+
         EngineCore.vtoken_stats = vtoken_stats
 
 

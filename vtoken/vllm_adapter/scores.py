@@ -28,8 +28,9 @@ from vtoken.vllm_adapter.tp import TensorParallel
 
 
 class AttentionScorer:
-    def __init__(self, num_slots: int, block_size: int, layout: str, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, num_slots: int, block_size: int, layout: str, device: torch.device, tp: TensorParallel | None = None
+    ) -> None:
         self.block_size, self.layout = block_size, layout
         self.tp = tp or TensorParallel()
         self.acc = torch.zeros(num_slots, dtype=torch.float32, device=device)
@@ -72,12 +73,12 @@ class AttentionScorer:
         if not self._step:
             return
         rows, lens, slots, req_of, q_idx = self._step
-        k_view = LAYOUTS[self.layout](kv_cache, self.block_size)[0]   # [nb, bs, kv_heads, head_size]
+        k_view = LAYOUTS[self.layout](kv_cache, self.block_size)[0]  # [nb, bs, kv_heads, head_size]
         k = k_view[slots // self.block_size, slots % self.block_size].float()
-        q = query[q_idx].float()                                        # [R, heads, head_size]
+        q = query[q_idx].float()  # [R, heads, head_size]
         heads, kv_heads = q.shape[1], k.shape[1]
         q = q.view(q.shape[0], kv_heads, heads // kv_heads, -1)
-        logits = torch.einsum("thd,thgd->thg", k, q[req_of]) * scale   # [total, kv_heads, group]
+        logits = torch.einsum("thd,thgd->thg", k, q[req_of]) * scale  # [total, kv_heads, group]
         idx = req_of.view(-1, 1, 1).expand_as(logits)
         m = torch.full((rows.numel(),) + logits.shape[1:], -torch.inf, device=logits.device)
         m = m.scatter_reduce(0, idx, logits, "amax")
@@ -103,8 +104,9 @@ class AttentionScorer:
         self._step, self._layers = None, 0
 
     def export(self, block_ids: list[int], physical_len: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-        slots = torch.as_tensor(to_global_slots(np.arange(physical_len), block_ids, self.block_size),
-                                device=self.acc.device)
+        slots = torch.as_tensor(
+            to_global_slots(np.arange(physical_len), block_ids, self.block_size), device=self.acc.device
+        )
         src = {ATTN_SUM: self.acc, ATTN_HIST: self.hist}
         return {n: src[n][slots].cpu().numpy() for n in names}
 

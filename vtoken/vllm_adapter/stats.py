@@ -48,16 +48,23 @@ class RequestRecord:
         self.peak_naive = max(self.peak_naive, naive)
 
     def snapshot(self, table: TokenTable, n_blocks: int, n_ballast: int) -> dict[str, Any]:
-        return {"logical_tokens": table.num_logical, "live_tokens": table.num_live,
-                "retained_blocks": n_blocks + n_ballast,
-                "naive_retained_blocks": naive_retained_blocks(table.live_mask(), table.block_size),
-                "floor_blocks": -(-table.num_live // table.block_size), "tokens_moved": self.tokens_moved,
-                "mean_retained_blocks": self.sum_retained / self.steps if self.steps else float(n_blocks),
-                "mean_naive_retained_blocks": self.sum_naive / self.steps if self.steps else float(n_blocks),
-                "mean_floor_blocks": self.sum_floor / self.steps if self.steps else float(n_blocks),
-                "decode_steps": self.steps, "policy": self.policy, "budget": self.budget,
-                "peak_retained_blocks": self.peak_retained, "peak_naive_retained_blocks": self.peak_naive,
-                "metadata_bytes": table.nbytes}
+        return {
+            "logical_tokens": table.num_logical,
+            "live_tokens": table.num_live,
+            "retained_blocks": n_blocks + n_ballast,
+            "naive_retained_blocks": naive_retained_blocks(table.live_mask(), table.block_size),
+            "floor_blocks": -(-table.num_live // table.block_size),
+            "tokens_moved": self.tokens_moved,
+            "mean_retained_blocks": self.sum_retained / self.steps if self.steps else float(n_blocks),
+            "mean_naive_retained_blocks": self.sum_naive / self.steps if self.steps else float(n_blocks),
+            "mean_floor_blocks": self.sum_floor / self.steps if self.steps else float(n_blocks),
+            "decode_steps": self.steps,
+            "policy": self.policy,
+            "budget": self.budget,
+            "peak_retained_blocks": self.peak_retained,
+            "peak_naive_retained_blocks": self.peak_naive,
+            "metadata_bytes": table.nbytes,
+        }
 
     def finish(self, table: TokenTable, blocks: list, n_ballast: int) -> None:
         self.final = self.snapshot(table, len(blocks), n_ballast)
@@ -87,11 +94,18 @@ class EngineTotals:
         retained = sum(r["retained_blocks"] for r in running.values())
         naive = sum(r["naive_retained_blocks"] for r in running.values())
         live = sum(r["live_tokens"] for r in running.values())
-        return {"blocks_reclaimed": max(naive - retained, 0), "retained_blocks": retained,
-                "naive_retained_blocks": naive, "live_tokens": live,
-                "compaction_seconds": self.compaction_seconds, "move_seconds": self.move_seconds,
-                "bytes_moved": self.bytes_moved, "tokens_moved": self.tokens_moved,
-                "blocks_freed": self.blocks_freed, "preemptions_seen": self.preemptions,
-                "peak_running": self.peak_running,
-                "fragmentation": 1 - live / (retained * block_size) if retained else 0.0,
-                "finished_requests": list(self.finished)}
+        return {
+            "blocks_reclaimed": max(naive - retained, 0),
+            "retained_blocks": retained,
+            "naive_retained_blocks": naive,
+            "live_tokens": live,
+            "compaction_seconds": self.compaction_seconds,
+            "move_seconds": self.move_seconds,
+            "bytes_moved": self.bytes_moved,
+            "tokens_moved": self.tokens_moved,
+            "blocks_freed": self.blocks_freed,
+            "preemptions_seen": self.preemptions,
+            "peak_running": self.peak_running,
+            "fragmentation": 1 - live / (retained * block_size) if retained else 0.0,
+            "finished_requests": list(self.finished),
+        }

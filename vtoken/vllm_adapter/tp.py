@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -41,17 +41,20 @@ class ExchangeStats:
     end of the collective, because the statistics are read right after it)."""
 
     score_steps: int = 0
-    score_bytes: int = 0       # all-reduce payload: 4 bytes per decode slot per step
+    score_bytes: int = 0  # all-reduce payload: 4 bytes per decode slot per step
     score_seconds: float = 0.0
     check_steps: int = 0
-    check_bytes: int = 0       # status all-gather payload: 4 bytes per rank per step with a plan
+    check_bytes: int = 0  # status all-gather payload: 4 bytes per rank per step with a plan
     check_seconds: float = 0.0
 
     def summary(self) -> dict[str, float]:
         per = lambda x, n: x / n if n else 0.0  # noqa: E731
-        return {**self.__dict__, "score_bytes_per_step": per(self.score_bytes, self.score_steps),
-                "score_us_per_step": 1e6 * per(self.score_seconds, self.score_steps),
-                "check_us_per_step": 1e6 * per(self.check_seconds, self.check_steps)}
+        return {
+            **self.__dict__,
+            "score_bytes_per_step": per(self.score_bytes, self.score_steps),
+            "score_us_per_step": 1e6 * per(self.score_seconds, self.score_steps),
+            "check_us_per_step": 1e6 * per(self.check_seconds, self.check_steps),
+        }
 
 
 class TensorParallel:
@@ -71,7 +74,7 @@ class TensorParallel:
         self.stats = ExchangeStats()
 
     @classmethod
-    def current(cls, fault: str | None = None) -> "TensorParallel":
+    def current(cls, fault: str | None = None) -> TensorParallel:
         """vLLM's TP group of this worker process (absent outside a vLLM worker: a world of one)."""
         from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
@@ -151,14 +154,16 @@ class TensorParallel:
 
         # Failure path only: every rank learns every rank's error, so the output rank's message names it.
         errors: list = [None] * self.world
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
-                               group=self.group.cpu_group)
+        dist.all_gather_object(
+            errors, None if error is None else f"{type(error).__name__}: {error}", group=self.group.cpu_group
+        )
         why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
         reqs = sorted(set(step.keep_blocks) | set(step.replace_blocks))
         raise PlanFailedError(
             f"vToken: tensor-parallel rank(s) {[r for r, e in enumerate(errors) if e]} failed to apply the "
             f"compaction plan of step {self.step} ({len(step.moves)} moves, requests {reqs}) ({why}). "
-            "Stopping the engine rather than serving divergent KV caches.") from error
+            "Stopping the engine rather than serving divergent KV caches."
+        ) from error
 
     def _gather_status(self, failed: bool) -> list[int]:
         import torch.distributed as dist
