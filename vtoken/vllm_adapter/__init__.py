@@ -1,22 +1,38 @@
 """vToken's vLLM 0.32.0 adapter: the only package that touches vLLM internals.
 
 config.py        VTokenConfig, the user's switch (mode off | naive | vtoken, policy, budget, ...)
-engine.py        engine_kwargs / make_llm / make_async_llm / vtoken_stats
-scheduler.py     VTokenScheduler: TokenTables, policy decisions, compaction, block accounting
+engine.py        engine_kwargs / make_llm / open_llm / make_async_llm / vtoken_stats / pool_report
+scheduler.py     VTokenScheduler: vLLM glue around the compactor (vtoken/compactor.py)
 model_runner.py  worker side: moves before the forward, logical RoPE vs physical slots
 scores.py        attention statistics for h2o / scissorhands, per physical slot on the device
 worker.py        worker classes vLLM loads by name
 """
 
 from vtoken.vllm_adapter.config import VTokenConfig, request_args
-from vtoken.vllm_adapter.engine import engine_kwargs, make_async_llm, make_llm, vtoken_stats, vtoken_stats_async
+from vtoken.vllm_adapter.engine import (
+    engine_kwargs,
+    make_async_llm,
+    make_llm,
+    open_llm,
+    pool_report,
+    pool_report_async,
+    shutdown_llm,
+    vtoken_stats,
+    vtoken_stats_async,
+)
+from vtoken.vllm_adapter.messages import PoolReport
 
 __all__ = [
+    "PoolReport",
     "VTokenConfig",
     "request_args",
     "engine_kwargs",
     "make_async_llm",
     "make_llm",
+    "open_llm",
+    "pool_report",
+    "pool_report_async",
+    "shutdown_llm",
     "vtoken_stats",
     "vtoken_stats_async",
 ]

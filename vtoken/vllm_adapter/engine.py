@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
+from vtoken.vllm_adapter.messages import PoolReport
 
 SCHEDULER = "vtoken.vllm_adapter.scheduler.VTokenScheduler"
 WORKERS = {"cpu": "vtoken.vllm_adapter.worker.VTokenCPUWorker", "cuda": "vtoken.vllm_adapter.worker.VTokenGPUWorker"}
@@ -63,8 +66,6 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
             raise ValueError(f"vToken mode {cfg.mode!r} cannot run with {key}={value!r}: {why}")
     extra = dict(kwargs.pop("additional_config", None) or {})
     extra[CONFIG_KEY] = cfg.model_dump()
-    # V1 model runner: the overrides mirror its _prepare_inputs/_update_states (the V2 runner differs).
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
     return {
         **kwargs,
@@ -81,6 +82,26 @@ def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: An
     from vllm import LLM
 
     return LLM(model=model, **engine_kwargs(vtoken, **kwargs))
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an ``LLM``'s engine (its EngineCore process and workers, or the in-process core) now, rather than
+    when the garbage collector gets to it: vllm/v1/engine/core_client.py EngineCoreClient.shutdown."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def open_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> Iterator[Any]:
+    """``with open_llm(model, cfg, block_size=32) as llm:`` an ``LLM`` with vToken, stopped on exit.
+
+    On vLLM's CPU build, call it under ``if __name__ == "__main__":`` (vLLM starts worker processes)."""
+    llm = make_llm(model, vtoken, **kwargs)
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+        del llm
+        gc.collect()
 
 
 def make_async_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):
@@ -102,3 +123,15 @@ def vtoken_stats(llm, reset: bool = False) -> dict[str, Any]:
 
 async def vtoken_stats_async(async_llm, reset: bool = False) -> dict[str, Any]:
     return await async_llm.engine_core.call_utility_async("vtoken_stats", reset)
+
+
+def pool_report(llm) -> PoolReport:
+    """The engine's pool in a few numbers (messages.PoolReport): cheap enough to poll several times a second."""
+    core = llm.llm_engine.engine_core
+    if hasattr(core, "call_utility"):
+        return PoolReport.from_wire(core.call_utility("vtoken_pool_report"))
+    return core.engine_core.vtoken_pool_report()
+
+
+async def pool_report_async(async_llm) -> PoolReport:
+    return PoolReport.from_wire(await async_llm.engine_core.call_utility_async("vtoken_pool_report"))

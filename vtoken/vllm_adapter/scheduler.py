@@ -33,7 +33,7 @@ from vtoken.policies import PolicyInput
 from vtoken.replay import request_seed
 from vtoken.token_table import TokenTable
 from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
-from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
+from vtoken.vllm_adapter.messages import PoolReport, VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.stats import EngineTotals, RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class VTokenScheduler(Scheduler):
         self.vt_dirty: set[str] = set()  # requests that lost tokens: never prefix-cached again
         self.vt_totals = EngineTotals()
         self._wrap_coordinator()
+        install_engine_core_utilities()
 
     # ---------------------------------------------------------------- allocation by physical length
     def _gap(self, request_id: str) -> int:
@@ -115,9 +116,8 @@ class VTokenScheduler(Scheduler):
             if table is None:
                 table = self.vt_tables[rid] = TokenTable(self.vt_bs)
                 p = self._policy_for(request)
-                self.vt_records[rid] = RequestRecord(
-                    rid, request_seed(_external_id(rid)), policy=p.name, budget=p.budget
-                )
+                ext = external_id(rid)
+                self.vt_records[rid] = RequestRecord(ext, request_seed(ext), policy=p.name, budget=p.budget)
             policy = self.vt_req_policy[rid]
             new = request.num_computed_tokens - table.num_logical
             if new < 0:
@@ -144,6 +144,7 @@ class VTokenScheduler(Scheduler):
             if victims.size == 0:
                 continue
             holes = table.kill(victims)
+            self.vt_totals.tokens_evicted += victims.size
             self.vt_records[rid].record_deaths(victims, step)
             self.vt_dirty.add(rid)
             batch, n_keep = self._compact(rid, table, holes)
@@ -318,7 +319,7 @@ class VTokenScheduler(Scheduler):
         self.vt_totals.add_finished(record)
         if self.vt.trace_path:
             line = {
-                "request_id": request.request_id,
+                "request_id": record.request_id,
                 "prompt_token_ids": list(request.prompt_token_ids or []),
                 "output_token_ids": list(request.output_token_ids),
                 **record.trace(),
@@ -327,6 +328,33 @@ class VTokenScheduler(Scheduler):
                 f.write(json.dumps(line) + "\n")
 
     # ---------------------------------------------------------------- observability
+    def vtoken_pool_report(self) -> PoolReport:
+        """The pool in a few numbers (messages.PoolReport), for replicas' frequent reports."""
+        live = retained = naive = 0
+        for rid, table in self.vt_tables.items():
+            live += table.num_live
+            retained += len(self.vt_manager.req_to_blocks.get(rid, [])) + len(self.vt_ballast.get(rid, []))
+            naive += naive_retained_blocks(table.live_mask(), self.vt_bs)
+        t = self.vt_totals
+        return PoolReport(
+            free_blocks=self.vt_pool.get_num_free_blocks(),
+            total_blocks=self.vt_pool.num_gpu_blocks - 1,
+            kv_cache_usage=self.vt_pool.get_usage(),
+            running=len(self.running),
+            waiting=len(self.waiting),
+            live_tokens=live,
+            retained_blocks=retained,
+            naive_retained_blocks=naive,
+            blocks_reclaimed=max(naive - retained, 0),
+            admitted=tuple(sorted(r.request_id for r in self.vt_records.values())),
+            blocks_freed_total=t.blocks_freed,
+            tokens_evicted_total=t.tokens_evicted,
+            tokens_moved_total=t.tokens_moved,
+            compaction_seconds_total=t.compaction_seconds,
+            preemptions_total=t.preemptions,
+            block_size=self.vt_bs,
+        )
+
     def vtoken_stats(self, reset: bool = False) -> dict[str, Any]:
         """Per-request and per-engine figures (see vtoken/vllm_adapter/stats.py for the definitions).
         ``reset``: afterwards start peak_running and the finished-request list afresh (benchmarks)."""
@@ -352,7 +380,7 @@ class VTokenScheduler(Scheduler):
         return out
 
 
-def _external_id(rid: str) -> str:
+def external_id(rid: str) -> str:
     """The caller's request id: vllm/v1/engine/input_processor.py InputProcessor.assign_request_id appends
     "-" and 8 random characters. Randomised policies seed from the caller's id, so that reruns, naive and
     vtoken, and every TP rank reach the same decisions."""
@@ -360,18 +388,23 @@ def _external_id(rid: str) -> str:
     return head if head and len(tail) == 8 else rid
 
 
-def _install_engine_core_utility() -> None:
-    """Make ``vtoken_stats`` callable through vLLM's utility RPC (vllm/v1/engine/core.py
-    EngineCore._handle_client_request looks utilities up with getattr on the EngineCore)."""
+UTILITIES = ("vtoken_stats", "vtoken_pool_report")
+
+
+def install_engine_core_utilities() -> None:
+    """Make the scheduler's ``vtoken_stats`` and ``vtoken_pool_report`` callable through vLLM's utility RPC
+    (vllm/v1/engine/core.py EngineCore._handle_client_request looks a utility up with getattr on the
+    EngineCore). Called when a VTokenScheduler is built, in the EngineCore's own process, never on import."""
     from vllm.v1.engine.core import EngineCore
 
-    if not hasattr(EngineCore, "vtoken_stats"):
+    for name in UTILITIES:
+        if hasattr(EngineCore, name):
+            continue
 
-        def vtoken_stats(self, reset: bool = False) -> dict[str, Any]:
-            fn = getattr(self.scheduler, "vtoken_stats", None)
-            return fn(reset) if fn else {"mode": "off"}
+        def utility(self, *args, _name=name):
+            fn = getattr(self.scheduler, _name, None)
+            if fn is None:
+                raise RuntimeError(f"{_name}: this engine runs without vToken (mode off)")
+            return fn(*args)
 
-        EngineCore.vtoken_stats = vtoken_stats
-
-
-_install_engine_core_utility()
+        setattr(EngineCore, name, utility)

@@ -81,6 +81,7 @@ class EngineTotals:
     move_seconds: float = 0.0
     bytes_moved: int = 0
     tokens_moved: int = 0
+    tokens_evicted: int = 0
     blocks_freed: int = 0
     preemptions: int = 0
     peak_running: int = 0  # most requests running at once since the last reset (vtoken_stats(reset=True))

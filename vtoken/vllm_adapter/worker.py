@@ -29,14 +29,23 @@ class VTokenWorkerRPC:
         self.model_runner.vt_tp.fault = fault
 
 
+def _force_v1_runner(worker) -> None:
+    """vToken's overrides mirror the V1 runner (_prepare_inputs, _update_states); the V2 runner differs. vLLM
+    reads ``VllmConfig.use_v2_model_runner`` once, in the worker's __init__ (vllm/v1/worker/gpu_worker.py
+    Worker.__init__), so setting the worker's copy picks V1 without touching anyone's environment."""
+    worker.use_v2_model_runner = False
+
+
 class VTokenCPUWorker(VTokenWorkerRPC, CPUWorker):
     """Mirror of vllm/v1/worker/cpu_worker.py CPUWorker.init_device, which builds its CPUModelRunner inline:
     we let it, then replace the (not yet loaded) runner with vToken's subclass."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _force_v1_runner(self)
+
     def init_device(self) -> None:
         super().init_device()
-        if self.use_v2_model_runner:
-            raise RuntimeError("vToken needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
         self.model_runner = runner_cls(CPUModelRunner)(self.vllm_config, torch.device("cpu"))
@@ -49,9 +58,11 @@ def _gpu_worker_cls():
     class VTokenGPUWorker(VTokenWorkerRPC, Worker):
         """Mirror of vllm/v1/worker/gpu_worker.py Worker._make_model_runner (meant for subclasses)."""
 
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            _force_v1_runner(self)
+
         def _make_model_runner(self, *args, **kwargs):
-            if self.use_v2_model_runner:
-                raise RuntimeError("vToken needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
             return runner_cls(GPUModelRunner)(self.vllm_config, self.device)
 
     return VTokenGPUWorker
