@@ -1,9 +1,11 @@
-"""A small in-test engine: block pool, per-request TokenTables, KV tensors in vLLM's CPU layout.
+"""A small engine around the REAL compactor (vtoken/compactor.py): a block pool, KV tensors in vLLM's layouts,
+and steps in the engine's order.
 
-It drives the core exactly as the vLLM adapter does (kill -> plan -> one MoveBatch per step -> mover ->
-apply_moves -> free blocks), and keeps every token's original K and V so tests can check that live tokens'
-bytes survive any number of moves. Freed blocks go to the FRONT of the free list, so the next request to
-grow reuses them in the same step: the hazard the gather-then-scatter mover exists for.
+One ``step``: ``Compactor.plan_step`` (sync, policy evictions), explicit evictions through ``Compactor.evict``
+(what a policy would choose, drawn by the test), then the forwards' block allocations (which may reuse blocks
+freed a moment ago, as vLLM's scheduler does), the step's moves applied as ONE batch by the mover, and only then
+the forwards' new K/V written - the order of the worker. Every token's original K and V are kept, so tests can
+check that live tokens' bytes survive any number of steps. Freed blocks go to the FRONT of the free list.
 """
 
 from __future__ import annotations
@@ -14,17 +16,56 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vtoken.compactor import Compactor, Progress
 from vtoken.mover import LAYOUTS, CpuMover, MoveBatch
-from vtoken.planner import plan_compaction, to_global_slots
-from vtoken.token_table import TokenTable
+from vtoken.planner import moves_lower_bound, to_global_slots
+from vtoken.policies import make_policy
+from vtoken.records import RequestRecord
+
+NEVER = 10**9  # a budget no request reaches: the policy evicts nothing unless the test says so
+
+
+@dataclass(eq=False)
+class SimBlock:
+    block_id: int
+    ref_cnt: int = 0
+
+
+class SimPool:
+    """vLLM's BlockPool interface: get_new_blocks, free_blocks, get_num_free_blocks, evict_blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [SimBlock(i) for i in range(num_blocks)]
+        self.free = deque(self.blocks)
+        self.uncached: set[int] = set()
+
+    def get_new_blocks(self, n: int) -> list[SimBlock]:
+        if n > len(self.free):
+            raise ValueError(f"pool has {len(self.free)} free blocks, {n} asked")
+        out = [self.free.popleft() for _ in range(n)]
+        for b in out:
+            b.ref_cnt += 1
+        return out
+
+    def free_blocks(self, blocks) -> None:
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free.appendleft(b)  # reused first: the hazard the gather-then-scatter mover exists for
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def evict_blocks(self, ids: set[int]) -> None:
+        self.uncached |= set(ids)
 
 
 @dataclass
 class SimRequest:
-    table: TokenTable
-    blocks: list[int] = field(default_factory=list)
-    kv: list[torch.Tensor] = field(default_factory=list)  # per appended chunk: [n, layers, 2, heads, hs]
-    num_protected: int = 0
+    blocks: list = field(default_factory=list)
+    kv: list[torch.Tensor] = field(default_factory=list)  # per forward: [n, layers, 2, heads, hs]
+    computed: int = 0
+    outputs: int = 0
 
 
 class KVSim:
@@ -36,8 +77,8 @@ class KVSim:
         heads=2,
         head_size=8,
         layout="cpu",
-        planner=plan_compaction,
         mover=None,
+        mode="vtoken",
         seed=0,
     ):
         self.bs, self.layers, self.heads, self.hs, self.layout = block_size, layers, heads, head_size, layout
@@ -47,13 +88,79 @@ class KVSim:
             else (num_blocks, heads, block_size, 2 * head_size)
         )
         self.kv = [torch.zeros(shape) for _ in range(layers)]
-        self.free = deque(range(num_blocks))
-        self.reqs: dict[int, SimRequest] = {}
-        self.planner = planner
+        self.pool = SimPool(num_blocks)
+        self.reqs: dict[str, SimRequest] = {}
+        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks)
         self.mover = mover or CpuMover(block_size, layout)
         self.gen = torch.Generator().manual_seed(seed)
         self.moves_done = 0
+        self.shared: list[SimBlock] = []  # blocks a phantom second request also holds (a cached prefix)
 
+    # ---------------------------------------------------------------- requests
+    def add(self, rid: str, prompt: int, num_protected: int = 0, policy=None, prefill_evict: bool = True) -> None:
+        """A request whose first ``num_protected`` blocks (full) are shared with another request."""
+        r = self.reqs[rid] = SimRequest()
+        policy = policy or make_policy("random", budget=NEVER, sink=0, recent=0)
+        self.core.add(rid, RequestRecord(rid, 0), policy, prefill_len=prompt, prefill_evict=prefill_evict)
+        if num_protected:
+            r.computed = num_protected * self.bs  # a prefix-cache hit: those tokens' KV exists already
+            r.blocks += self.pool.get_new_blocks(num_protected)
+            for b in r.blocks:
+                b.ref_cnt += 1  # the phantom sharer
+            self.shared += r.blocks
+
+    def finish(self, rid: str) -> None:
+        self.core.remove(rid, finished=True)
+        self.pool.free_blocks(reversed(self.reqs.pop(rid).blocks))
+
+    # ---------------------------------------------------------------- one engine step
+    def step(self, forwards: dict[str, int], kills: dict[str, tuple[int, int]] | None = None) -> MoveBatch:
+        """``forwards``: request -> new tokens its forward computes this step. ``kills``: request -> (n, seed): the
+        test evicts n random live tokens outside shared blocks (after the policy's own decisions), as a policy
+        would. Returns the step's moves."""
+        plan = self.core.plan_step(
+            [Progress(rid, r.computed, r.outputs, forwards.get(rid, 1)) for rid, r in self.reqs.items()]
+        )
+        batches = [plan.moves]
+        self.evicted = {}  # request -> (moves, their lower bound, blocks kept, live tokens) of the test's evictions
+        for rid, (n, seed) in (kills or {}).items():
+            if rid in plan.keep_blocks:
+                continue  # its policy evicted this step already: one compaction per request per step
+            st = self.core.states[rid]
+            live = st.table.live_logical()
+            live = live[live >= len(self.protected_tokens(rid))]  # never evict tokens of shared blocks
+            victims = np.sort(np.random.default_rng(seed).choice(live, min(n, live.size), replace=False))
+            if victims.size:
+                mask = st.table.physical_live_mask()
+                mask[st.table.slot_of[victims]] = False
+                bound = moves_lower_bound(mask, self.bs, len(self.protected_tokens(rid)) // self.bs)
+                moves, keep = self.core.evict(st, victims)
+                batches.append(moves)
+                self.evicted[rid] = (len(moves), bound, keep, st.table.num_live)
+        batch = MoveBatch.concat(batches)
+        self.core.check_integrity(batch)
+        writes = []
+        for rid, n in forwards.items():
+            r, table = self.reqs[rid], self.core.states[rid].table
+            need = -(-(table.physical_len + n) // self.bs) - len(r.blocks)
+            if need > self.pool.get_num_free_blocks():
+                continue  # not scheduled this step (vLLM would wait or preempt)
+            r.blocks += self.pool.get_new_blocks(max(need, 0))
+            r.computed += n
+            if r.computed >= self.core.states[rid].prefill_len:
+                r.outputs += 1
+            self.core.scheduled(rid, n, r.computed, r.outputs)
+            ids = [b.block_id for b in r.blocks]
+            slots = to_global_slots(np.arange(table.physical_len, table.physical_len + n), ids, self.bs)
+            writes.append((r, slots, torch.randn(n, self.layers, 2, self.heads, self.hs, generator=self.gen)))
+        self.mover.apply(self.kv, batch)  # the worker moves first, then the forward writes
+        for r, slots, data in writes:
+            r.kv.append(data)
+            self._write(slots, data)
+        self.moves_done += len(batch)
+        return batch
+
+    # ---------------------------------------------------------------- KV bytes
     def _views(self, layer: int) -> list[torch.Tensor]:
         return LAYOUTS[self.layout](self.kv[layer], self.bs)  # K view, V view (cpu) or one K|V view
 
@@ -78,57 +185,24 @@ class KVSim:
                 out.append(torch.stack(views[0][blk, off].split(self.hs, dim=-1), dim=1))
         return torch.stack(out, dim=1)
 
-    def add(self, rid: int, num_protected: int = 0) -> None:
-        self.reqs[rid] = SimRequest(TokenTable(self.bs), num_protected=num_protected)
-
-    def append(self, rid: int, n: int) -> bool:
-        r = self.reqs[rid]
-        need = -(-(r.table.physical_len + n) // self.bs) - len(r.blocks)
-        if need > len(self.free):
-            return False
-        r.blocks += [self.free.popleft() for _ in range(need)]
-        local = r.table.append(n)
-        data = torch.randn(n, self.layers, 2, self.heads, self.hs, generator=self.gen)
-        r.kv.append(data)
-        self._write(to_global_slots(local, r.blocks, self.bs), data)
-        return True
-
-    def kill(self, rid: int, logical: np.ndarray) -> None:
-        self.reqs[rid].table.kill(logical)
-
-    def compact(self) -> list:
-        """One engine step's compaction for every request, applied as a single MoveBatch."""
-        plans, batches = [], []
-        for r in self.reqs.values():
-            plan = self.planner(r.table.physical_live_mask(), r.blocks, self.bs, r.num_protected)
-            plans.append((r, plan))
-            batches.append(
-                MoveBatch(to_global_slots(plan.src, r.blocks, self.bs), to_global_slots(plan.dst, r.blocks, self.bs))
-            )
-        batch = MoveBatch.concat(batches)
-        self.mover.apply(self.kv, batch)
-        for r, plan in plans:
-            r.table.apply_moves(plan.src, plan.dst, plan.physical_len)
-            r.blocks = r.blocks[: plan.keep_blocks]
-            self.free.extendleft(reversed(plan.free_block_ids))  # LIFO: reused first
-        self.moves_done += len(batch)
-        return plans
-
-    def finish(self, rid: int) -> None:
-        self.free.extend(self.reqs.pop(rid).blocks)
-
-    def original(self, rid: int) -> torch.Tensor:
-        return torch.cat(self.reqs[rid].kv) if self.reqs[rid].kv else torch.empty(0)
-
     def check(self) -> None:
-        """Every live token's K and V are byte-identical to what was written at its append."""
-        owned = [b for r in self.reqs.values() for b in r.blocks]
+        """The compactor's invariants, and every live token's K and V byte-identical to what its forward wrote."""
+        self.core.check_integrity()
+        owned = [b.block_id for r in self.reqs.values() for b in r.blocks if b.ref_cnt == 1]
+        owned += [b.block_id for st in self.core.states.values() for b in st.ballast]
         assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert not set(owned) & set(self.free), "an owned block is in the free list"
+        assert not set(owned) & {b.block_id for b in self.pool.free}, "an owned block is in the free list"
         for rid, r in self.reqs.items():
-            r.table.check_integrity()
-            live = r.table.live_logical()
+            table = self.core.states[rid].table
+            live = table.live_logical()
+            live = live[live >= len(self.protected_tokens(rid))]
             if live.size == 0:
                 continue
-            got = self.read(to_global_slots(r.table.slot_of[live], r.blocks, self.bs))
-            assert torch.equal(got, self.original(rid)[live]), f"request {rid}: live KV bytes changed"
+            got = self.read(to_global_slots(table.slot_of[live], [b.block_id for b in r.blocks], self.bs))
+            want = torch.cat(r.kv)[live - len(self.protected_tokens(rid))]
+            assert torch.equal(got, want), f"request {rid}: live KV bytes changed"
+
+    def protected_tokens(self, rid: str) -> range:
+        """Logical positions in the request's shared blocks (their KV was written by the phantom sharer)."""
+        n = sum(1 for b in self.reqs[rid].blocks if b in self.shared) * self.bs
+        return range(n)

@@ -1,8 +1,13 @@
-"""An independent reference for evicting generation: plain transformers Llama, one teacher-forced forward
-with a per-row 4D mask that hides exactly the tokens the eviction trace says were dead at that step.
+"""An independent reference for evicting generation: plain transformers Llama, teacher-forced forwards with a
+per-row 4D mask that hides exactly the keys the eviction trace says were dead for that row's forward.
 
-Row ``P - 1 + j`` (the forward that produced output token ``j``) may attend key ``k`` iff ``k <= row`` and
-``k`` was not evicted at a decode step ``<= j``. Nothing here imports vToken.
+A run of a request executes forwards 0, 1, 2, ...: its prefill chunks (``prefill_chunks``, after any
+prefix-cached tokens; they cover the prompt and, after a preemption, the outputs sampled so far), then one
+decode step per further output token. Row ``i`` of the teacher-forced sequence (prompt + output[:-1]) belongs to
+the forward that computed token ``i``; it may attend key ``k`` iff ``k <= i`` and ``k`` was not evicted at a
+forward ``<=`` its own (``evicted_at_forward``). A preempted request has several runs (``preempted_runs``, then
+the trace's own fields); output token ``j`` is checked against the run that sampled it. Nothing here imports
+vToken.
 """
 
 from __future__ import annotations
@@ -18,22 +23,54 @@ def load(model_dir: str, dtype=torch.float32):
     return model.eval()
 
 
-def masked_logprobs(
-    model, prompt: list[int], output: list[int], evicted_pos: list[int], evicted_step: list[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy tokens and log-probabilities of ``output`` under the eviction trace."""
+def runs(trace: dict) -> list[dict]:
+    return [*trace.get("preempted_runs", []), trace]
+
+
+def row_forwards(run: dict, prompt_len: int, n_rows: int) -> np.ndarray:
+    """The forward of the run that computed each row (prefix-cached rows: -1, computed by another request)."""
+    read = prompt_len + run.get("outputs_at_start", 0)
+    cached = run.get("prefix_cached_tokens", 0)
+    chunks = run.get("prefill_chunks") or [read - cached]
+    assert cached + sum(chunks) == read, f"prefill chunks {chunks} + {cached} cached tokens are not {read} tokens"
+    rows = [np.full(cached, -1)] + [np.full(c, f) for f, c in enumerate(chunks)]
+    rows.append(np.arange(len(chunks), len(chunks) + max(n_rows - read, 0)))  # decode forwards: a row each
+    return np.concatenate(rows).astype(np.int64)[:n_rows]
+
+
+def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0) -> np.ndarray:
+    """[rows, keys] bool. ``late``: negative control, apply every prefill-boundary eviction that many forwards
+    late (the rows of the chunk right after the boundary still see the evicted keys)."""
+    fwd = row_forwards(run, prompt_len, n_rows)
+    died = np.full(n_rows, np.iinfo(np.int64).max)
+    pos = np.asarray(run["evicted_positions"], dtype=np.int64)
+    at = np.asarray(run["evicted_at_forward"], dtype=np.int64)
+    if late:
+        at = np.where(at < len(run.get("prefill_chunks") or [0]), at + late, at)
+    died[pos] = at
+    return np.tril(np.ones((n_rows, n_rows), dtype=bool)) & (fwd[:, None] < died[None, :])
+
+
+def masked_logprobs(model, trace: dict, late: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and log-probabilities of the trace's output tokens under its eviction trace."""
+    prompt, output = trace["prompt_token_ids"], trace["output_token_ids"]
     ids = torch.tensor([prompt + output[:-1]])
-    n = ids.shape[1]
-    p = len(prompt)
-    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    for pos, step in zip(evicted_pos, evicted_step):
-        rows = np.arange(p - 1 + step, n)  # from the forward that produced output token `step` on
-        allowed[rows, pos] = False
+    p, n = len(prompt), ids.shape[1]
     dtype = next(model.parameters()).dtype
-    mask = torch.zeros(1, 1, n, n, dtype=dtype)
-    mask[0, 0][~allowed] = torch.finfo(dtype).min
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[0].float()
-    lp = torch.log_softmax(logits[p - 1 :], dim=-1)
-    out = torch.tensor(output)
-    return lp.argmax(-1).numpy(), lp[torch.arange(len(output)), out].numpy()
+    greedy, lps = np.zeros(len(output), np.int64), np.zeros(len(output))
+    every = runs(trace)
+    for i, run in enumerate(every):
+        first = run.get("outputs_at_start", 0)
+        last = every[i + 1].get("outputs_at_start", 0) if i + 1 < len(every) else len(output)
+        if last <= first:
+            continue
+        allowed = torch.from_numpy(allowed_mask(run, p, n, late))
+        mask = torch.zeros(1, 1, n, n, dtype=dtype)
+        mask[0, 0][~allowed] = torch.finfo(dtype).min
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits[0].float()
+        lp = torch.log_softmax(logits[p - 1 + first : p - 1 + last], dim=-1)
+        out = torch.tensor(output[first:last])
+        greedy[first:last] = lp.argmax(-1).numpy()
+        lps[first:last] = lp[torch.arange(last - first), out].numpy()
+    return greedy, lps

@@ -1,5 +1,6 @@
-"""Random append / evict / compact traces over several requests sharing one block pool, on real KV
-tensors in vLLM's CPU layout: live tokens' K and V bytes survive, blocks are accounted exactly."""
+"""Random traces through the engine's own compactor (vtoken/compactor.py), several requests sharing one block
+pool, on real KV tensors in vLLM's layouts: live tokens' K and V bytes survive every step, blocks are accounted
+exactly, and ``Compactor.check_integrity`` holds after every step."""
 
 import numpy as np
 import pytest
@@ -7,73 +8,81 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvsim import KVSim
 
-from vtoken.accounting import block_counts, naive_retained_blocks
+from vtoken.accounting import naive_retained_blocks
 from vtoken.mover import CpuMover
-from vtoken.planner import moves_lower_bound, plan_compaction
+from vtoken.policies import make_policy
 
-ops = st.lists(
+REQS = ("a", "b", "c", "d")
+PROTECTED = {"a": 0, "b": 1, "c": 0, "d": 0}  # request b shares its first block (a cached prefix)
+
+# One step: request `rid` evicts (the test's choice, or its policy at `budget`), another request computes `n`
+# new tokens in the same step (so it may be handed the blocks just freed).
+steps = st.lists(
     st.tuples(
-        st.sampled_from(["append", "append", "kill", "compact", "finish"]),
+        st.sampled_from(["kill", "kill", "policy", "forward", "finish"]),
         st.integers(0, 3),
         st.integers(1, 12),
         st.integers(0, 2**31),
     ),
     min_size=1,
-    max_size=50,
+    max_size=40,
 )
 
 
-def run_trace(trace, layout="cpu", planner=plan_compaction, mover=None, protected=(0, 1, 0, 0)):
-    sim = KVSim(num_blocks=48, block_size=4, layout=layout, planner=planner, mover=mover)
-    for rid, prot in enumerate(protected):
-        sim.add(rid, num_protected=prot)
-        sim.append(rid, 4 * prot + 1)  # protected blocks are full, as shared prefix blocks are
-    for op, rid, n, seed in trace:
+def run_trace(trace, layout="cpu", mover=None, mode="vtoken"):
+    sim = KVSim(num_blocks=64, block_size=4, layout=layout, mover=mover, mode=mode)
+    for rid in REQS:
+        sim.add(rid, prompt=0, num_protected=PROTECTED[rid])
+        sim.step({rid: 5})
+    for op, i, n, seed in trace:
+        rid, other = REQS[i], REQS[(i + 1) % 4]
         if rid not in sim.reqs:
             continue
-        r = sim.reqs[rid]
-        if op == "append":
-            sim.append(rid, n)
-        elif op == "kill":
-            live = r.table.live_logical()
-            live = live[live >= 4 * r.num_protected]  # never evict tokens of shared blocks
-            if live.size:
-                sim.kill(rid, np.random.default_rng(seed).choice(live, min(n, live.size), replace=False))
-        elif op == "compact":
-            before = {q: (s.table.physical_live_mask(), s.num_protected) for q, s in sim.reqs.items()}
-            plans = sim.compact()
-            for (s, plan), (live, prot) in zip(plans, before.values()):
-                assert plan.num_moves == moves_lower_bound(live, 4, prot)
-                c = block_counts(s.table)
-                assert len(s.blocks) == c.retained == max(c.floor, prot) <= c.naive_retained
+        forwards = {other: n} if other in sim.reqs else {}
+        if op == "kill":
+            sim.step(forwards, {rid: (n, seed)})
+            if rid in sim.evicted:
+                moved, lower_bound, keep, live_after = sim.evicted[rid]
+                assert moved == lower_bound  # fewest moves
+                assert keep == max(-(-live_after // 4), PROTECTED[rid])  # packed onto the floor
+        elif op == "policy":  # the request's own policy evicts down to n tokens at this step
+            sim.core.states[rid].policy = make_policy("random", budget=n + 4, sink=1, recent=2)
+            sim.step({**forwards, rid: 1})
+        elif op == "forward":
+            sim.step({rid: n, **forwards})
         elif op == "finish":
             sim.finish(rid)
         sim.check()
+        for q, s in sim.core.states.items():
+            assert s.table.naive_blocks() == naive_retained_blocks(s.table.live_mask(), 4)
+            if mode == "vtoken" and not s.in_prefill:
+                assert len(sim.reqs[q].blocks) <= max(-(-(s.table.num_live + 12) // 4), PROTECTED[q]) + 1
     return sim
 
 
-@given(ops)
+@given(steps)
 def test_live_kv_bytes_survive_random_traces(trace):
     run_trace(trace)
 
 
-@given(ops)
+@given(steps)
 def test_same_in_the_flash_layout(trace):
     run_trace(trace, layout="flash")
 
 
+@given(steps)
+def test_naive_mode_holds_ballast_apart(trace):
+    """Naive mode: the same decisions, ballast never overlaps a block list (check_integrity), bytes survive."""
+    run_trace(trace, mode="naive")
+
+
 def test_all_blocks_return_to_the_pool():
-    sim = run_trace(
-        [("append", r, 9, 0) for r in range(4)]
-        + [("kill", r, 6, r) for r in range(4)]
-        + [("compact", 0, 1, 0)]
-        + [("finish", r, 1, 0) for r in range(4)]
-    )
-    assert sorted(sim.free) == list(range(48))
+    sim = run_trace([("kill", i, 6, i) for i in range(4)] + [("finish", i, 1, 0) for i in range(4)])
+    assert sim.pool.get_num_free_blocks() == 64 - len(sim.shared)
 
 
 def test_negative_control_mover_with_wrong_layout_is_caught():
-    trace = [("append", 0, 12, 0), ("kill", 0, 6, 3), ("compact", 0, 1, 0)]
+    trace = [("forward", 0, 12, 0), ("kill", 0, 6, 3)]
     with pytest.raises(AssertionError, match="live KV bytes changed"):
         run_trace(trace, mover=_WrongLayoutMover())
 
@@ -95,7 +104,16 @@ def test_negative_control_skipping_moves_is_caught():
             pass
 
     with pytest.raises(AssertionError, match="live KV bytes changed"):
-        run_trace([("append", 0, 12, 0), ("kill", 0, 6, 3), ("compact", 0, 1, 0)], mover=NoMover(4))
+        run_trace([("forward", 0, 12, 0), ("kill", 0, 6, 3)], mover=NoMover(4))
+
+
+def test_negative_control_integrity_catches_a_block_held_twice():
+    from vtoken.compactor import CompactorError
+
+    sim = run_trace([("forward", 0, 12, 0)])
+    sim.reqs["c"].blocks.append(sim.reqs["a"].blocks[-1])  # planted bug: two requests own one block
+    with pytest.raises(CompactorError, match="held by"):
+        sim.core.check_integrity()
 
 
 def test_naive_accounting_examples():
@@ -105,7 +123,6 @@ def test_naive_accounting_examples():
 
 
 def test_replay_of_a_request_life():
-    from vtoken.policies import make_policy
     from vtoken.replay import replay
 
     r = replay(make_policy("random", budget=0.25, sink=4, recent=16), prompt_len=1000, output_len=200, block_size=32)
@@ -114,3 +131,53 @@ def test_replay_of_a_request_life():
     assert r.mean_retained < r.mean_naive_retained and r.moves > 0
     with pytest.raises(ValueError, match="needs"):
         replay(make_policy("h2o"), 10, 10, 32)
+
+
+def test_one_compaction_per_request_per_step():
+    from vtoken.compactor import CompactorError
+
+    sim = run_trace([("forward", 0, 12, 0)])
+    st = sim.core.states["a"]
+    sim.core.plan_step([])
+    sim.core.evict(st, st.table.live_logical()[:2])
+    with pytest.raises(CompactorError, match="compacted twice"):
+        sim.core.evict(st, st.table.live_logical()[:2])
+
+
+@given(
+    chunks=st.integers(8, 12),
+    chunk=st.integers(3, 13),
+    budget=st.floats(0.05, 0.7),
+    sink=st.integers(0, 4),
+    recent=st.integers(0, 8),
+    decode=st.integers(0, 20),
+)
+def test_peak_bound_through_chunked_prefill(chunks, chunk, budget, sink, recent, decode):
+    """Eviction at every chunk boundary: during every forward the request holds at most
+    ceil((keep + new) / block_size) + 1 blocks (keep: what the budget allows at the length read so far), in
+    vtoken mode; the same decisions in naive mode hold more."""
+    prompt = chunks * chunk - chunk // 2
+    peaks = {}
+    for mode in ("vtoken", "naive"):
+        sim = KVSim(num_blocks=256, block_size=4, mode=mode)
+        sim.add("r", prompt=prompt, policy=make_policy("random", budget=budget, sink=sink, recent=recent))
+        while sim.reqs["r"].computed < prompt:
+            sim.step({"r": min(chunk, prompt - sim.reqs["r"].computed)})
+            sim.check()
+        for _ in range(decode):
+            sim.step({"r": 1})
+            sim.check()
+        rec = sim.core.states["r"].record
+        assert sum(rec.prefill_chunks) == prompt and len(rec.prefill_chunks) == -(-prompt // chunk)
+        peaks[mode] = rec.peak_retained
+        if mode == "vtoken":
+            assert rec.over_bound <= 0, f"held {rec.over_bound} blocks over the bound"
+    assert peaks["naive"] >= peaks["vtoken"]
+
+
+def test_negative_control_without_prefill_eviction_the_bound_breaks():
+    sim = KVSim(num_blocks=256, block_size=4)
+    sim.add("r", prompt=80, policy=make_policy("random", budget=0.1, sink=0, recent=0), prefill_evict=False)
+    for _ in range(10):
+        sim.step({"r": 8})
+    assert sim.core.states["r"].record.over_bound > 0

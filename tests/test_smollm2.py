@@ -7,13 +7,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.smollm]
 
 from vtoken.models import model_path  # noqa: E402
 from vtoken.texts import passages  # noqa: E402
-from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats  # noqa: E402
+from vtoken.vllm_adapter import VTokenConfig, open_llm, vtoken_stats  # noqa: E402
 
 
 def chat(mode: str, prompts: list[str], max_tokens: int, **cfg):
     from vllm import SamplingParams
 
-    llm = make_llm(
+    with open_llm(
         str(model_path("smollm2-135m")),
         VTokenConfig(mode=mode, **cfg),
         dtype="float32",
@@ -22,16 +22,13 @@ def chat(mode: str, prompts: list[str], max_tokens: int, **cfg):
         enforce_eager=True,
         seed=0,
         kv_cache_memory_bytes=256 << 20,
-    )
-    try:
+    ) as llm:
         outs = llm.chat(
             [[{"role": "user", "content": p}] for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=max_tokens),
             use_tqdm=False,
         )
         return [o.outputs[0].text for o in outs], (vtoken_stats(llm) if mode != "off" else None)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
 def test_smollm2_answers_and_vtoken_reclaims_blocks():

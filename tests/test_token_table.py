@@ -46,7 +46,7 @@ def test_metadata_at_most_8_bytes_per_token(n):
     for _ in range(n // 1024):
         t.append(1024)
     assert t.nbytes / n <= 8.0
-    assert t.nbytes == 4 * n  # int32 per logical token, capacity grown in blocks
+    assert t.nbytes == 4 * n + 4 * n // 16  # int32 per logical token and per logical block, grown in blocks
 
 
 def test_preemption_reset():
@@ -73,4 +73,29 @@ def test_random_trace_keeps_invariants(ops, bs):
             rng = np.random.default_rng(seed)
             t.kill(rng.choice(t.live_logical(), size=min(n, t.num_live), replace=False))
         t.check_integrity()
-        assert t.nbytes <= 4 * (t.num_logical + bs)
+        cap = t.num_logical + bs  # capacity grows in whole blocks
+        assert t.nbytes <= 4 * cap + 4 * (cap // bs + 1)
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["append", "kill"]), st.integers(0, 40), st.integers(0, 2**31)), max_size=30
+    ),
+    writing=st.integers(0, 70),
+)
+def test_naive_blocks_match_the_accounting_reference(ops, writing):
+    """TokenTable.naive_blocks (O(blocks), from per-block live counts) equals naive_retained_blocks over the
+    live mask with the next ``writing`` tokens appended as live (O(tokens))."""
+    from vtoken.accounting import naive_retained_blocks
+
+    t = TokenTable(block_size=4)
+    for op, n, seed in ops:
+        if op == "append":
+            t.append(n)
+        elif t.num_live:
+            live = t.live_logical()
+            t.kill(np.random.default_rng(seed).choice(live, min(n, live.size), replace=False))
+        t.check_integrity()
+        ref = naive_retained_blocks(np.append(t.live_mask(), np.ones(writing, bool)), 4)
+        assert t.naive_blocks(writing) == ref
+        assert t.naive_blocks() == naive_retained_blocks(t.live_mask(), 4)

@@ -101,7 +101,7 @@ def _generate(llm, requests: list[tuple[list[int], str | None]], max_tokens: int
     ]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], sps, use_tqdm=False)
     lines = [json.loads(line) for line in trace_path.read_text().splitlines()] if trace_path.exists() else []
-    by_id = {t["request_id"].rsplit("-", 1)[0]: t for t in lines}  # engine ids: "<LLM's id>-<8 random chars>"
+    by_id = {t["request_id"]: t for t in lines}  # the LLM's own request ids
     return Round(
         [list(o.outputs[0].token_ids) for o in outs],
         [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs],
@@ -116,7 +116,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
     import torch
     from vllm import LLM
 
-    from vtoken.vllm_adapter import vtoken_stats
+    from vtoken.vllm_adapter import shutdown_llm, testing, vtoken_stats
 
     if torch.cuda.is_available() and torch.cuda.device_count() < tp:
         pytest.skip(f"TP={tp} on CUDA needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
@@ -135,9 +135,12 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
     cfg = {"mode": "off"} if mode == "off" else {"mode": mode, "policy": "h2o", **EVICT, "trace_path": str(trace)}
     s = Session()
     with _tp_env(tp, tmp / "engine.log"):
+        make_kwargs = engine_kwargs
+        if controls:  # the testing worker carries the faults (vtoken/vllm_adapter/testing.py)
+            make_kwargs = functools.partial(testing.engine_kwargs, knobs=testing.Knobs())
         llm = LLM(
             model=str(model_path("tiny-llama")),
-            **engine_kwargs(
+            **make_kwargs(
                 VTokenConfig(**cfg),
                 dtype="float32",
                 block_size=32,
@@ -167,7 +170,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
                     s.failure = e
                 s.failure_seconds = time.perf_counter() - t0
         finally:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_llm(llm)
             del llm
     s.log = (tmp / "engine.log").read_text(errors="replace")
     return s
@@ -215,7 +218,7 @@ def test_off_at_tp2_equals_tp1():
 def test_vtoken_at_tp2_makes_tp1s_decisions_and_tokens(policy):
     one, two = part(mixed(), policy), part(session("vtoken", controls=True).rounds["main"], policy)
     assert all(len(e) > 20 for e in evicted(one)), "the comparison needs real evictions"
-    ids = lambda r: [t["request_id"].rsplit("-", 1)[0] for t in r.trace]  # noqa: E731 - seeds of random
+    ids = lambda r: [t["request_id"] for t in r.trace]  # noqa: E731 - seeds of random
     assert ids(two) == ids(one)
     assert evicted(two) == evicted(one)
     assert [t["evicted_at_step"] for t in two.trace] == [t["evicted_at_step"] for t in one.trace]
@@ -236,7 +239,7 @@ def test_retained_blocks_match_tp1():
     )
 
     def rows(st):
-        return sorted((r["request_id"].rsplit("-", 1)[0], *(r[k] for k in keys)) for r in st["finished_requests"])
+        return sorted((r["request_id"], *(r[k] for k in keys)) for r in st["finished_requests"])
 
     assert len(rows(two)) == 9 and rows(two) == rows(one)
     assert two["total_blocks"] == one["total_blocks"] and two["free_blocks"] == two["total_blocks"]
@@ -249,7 +252,7 @@ def test_naive_at_tp2_equals_vtoken():
     assert nv.rounds["main"].tokens == vt.rounds["main"].tokens
     for a, b in zip(vt.rounds["main"].logprobs, nv.rounds["main"].logprobs):
         assert np.array_equal(a, b)
-    rid = lambda r: r["request_id"].rsplit("-", 1)[0]  # noqa: E731
+    rid = lambda r: r["request_id"]  # noqa: E731
     naive = {rid(r): r["mean_retained_blocks"] for r in nv.stats["finished_requests"]}
     assert len(naive) == 9
     assert all(naive[rid(r)] > r["mean_retained_blocks"] for r in vt.stats["finished_requests"])

@@ -36,11 +36,13 @@ def _run(
     shared_prefix: int = 0,
     rounds: int = 1,
     options: tuple | None = None,
+    knobs: str | None = None,
+    lengths: tuple = (70, 130, 45, 100),
 ):
     import tempfile
 
     cfg = json.loads(cfg_json)
-    ps = prompts(n, lengths=(70, 130, 45, 100))
+    ps = prompts(n, lengths=lengths)
     if options:
         ps = [ps[i % n] for i in range(len(options))]
     if shared_prefix:
@@ -57,11 +59,12 @@ def _run(
         rounds=rounds,
         enable_prefix_caching=bool(shared_prefix),
         options=[json.loads(o) if o else None for o in options] if options else None,
+        knobs=json.loads(knobs) if knobs else None,
     )
 
 
-def engine(cfg: dict | None, **kw):
-    return _run(json.dumps(cfg, sort_keys=True), **kw)
+def engine(cfg: dict | None, knobs: dict | None = None, **kw):
+    return _run(json.dumps(cfg, sort_keys=True), knobs=json.dumps(knobs, sort_keys=True) if knobs else None, **kw)
 
 
 def by_policy(r, policy: str):
@@ -79,15 +82,14 @@ def reference_model():
     return load(str(model_path("tiny-llama")))
 
 
-def check_exact(r, tol=1e-4):
+def check_exact(r, tol=1e-4, late: int = 0):
     """Tokens equal the masked reference's greedy tokens; log-probabilities within tol."""
     ref = reference_model()
     worst = 0.0
     for tokens, lps, tr in zip(r.tokens, r.logprobs, r.trace):
-        greedy, ref_lp = masked_logprobs(
-            ref, tr["prompt_token_ids"], tr["output_token_ids"], tr["evicted_positions"], tr["evicted_at_step"]
-        )
+        greedy, ref_lp = masked_logprobs(ref, tr, late)
         assert tr["output_token_ids"] == tokens
+        assert np.allclose(tr["logprobs"], lps), "the trace's logprobs are the ones the request received"
         assert greedy.tolist() == tokens, "greedy tokens differ from the masked reference"
         worst = max(worst, float(np.abs(ref_lp - lps).max()))
     assert worst <= tol, f"log-probabilities differ from the masked reference by {worst:.2e}"
@@ -124,7 +126,7 @@ def test_bad_config_values():
 def test_relocating_every_token_is_bit_identical_to_stock(dtype):
     """No evictions, but every request's KV is moved into fresh blocks every 3 steps."""
     stock = engine(None, dtype=dtype)
-    moved = engine({"mode": "vtoken", "policy": "random", "budget": 100000, "relocate_every": 3}, dtype=dtype)
+    moved = engine({"mode": "vtoken", "policy": "random", "budget": 100000}, {"relocate_every": 3}, dtype=dtype)
     assert moved.stats["tokens_moved"] > 1000
     assert moved.tokens == stock.tokens
     for a, b in zip(moved.logprobs, stock.logprobs):
@@ -162,7 +164,7 @@ def test_request_options_are_checked():
 
 @pytest.mark.parametrize("fault", ["skip_moves", "physical_rope"])
 def test_negative_controls_break_exactness(fault):
-    r = engine({"mode": "vtoken", "policy": "random", "fault": fault, **EVICT})
+    r = engine({"mode": "vtoken", "policy": "random", **EVICT}, {"fault": fault})
     with pytest.raises(AssertionError):
         check_exact(r)
 
@@ -192,7 +194,7 @@ def test_vtoken_retains_the_floor_and_naive_never_fewer():
     vt = mixed("vtoken").stats["finished_requests"]
     nv = mixed("naive").stats["finished_requests"]
     assert len(vt) == len(nv) == 9
-    order = lambda r: int(r["request_id"].rsplit("-", 1)[0])  # noqa: E731 - "<LLM's id>-<engine suffix>"
+    order = lambda r: int(r["request_id"])  # noqa: E731 - the LLM's own ids: "0", "1", ...
     for a, b in zip(sorted(vt, key=order), sorted(nv, key=order)):
         floor = math.ceil(a["live_tokens"] / 32)
         assert floor <= a["retained_blocks"] <= floor + 1  # + the block being filled

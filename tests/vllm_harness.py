@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,22 +34,22 @@ def run(
     max_model_len: int = 1024,
     rounds: int = 1,
     options: list[dict | None] | None = None,
+    knobs: dict | None = None,
     **kwargs,
 ) -> Run:
-    """``options[i]``: request i's own vToken policy options (SamplingParams.extra_args), or None."""
+    """``options[i]``: request i's own vToken policy options (SamplingParams.extra_args), or None.
+    ``knobs``: testing knobs (vtoken/vllm_adapter/testing.py), e.g. a negative control."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vtoken.vllm_adapter import VTokenConfig, make_llm, request_args, vtoken_stats
+    from vtoken.vllm_adapter import VTokenConfig, open_llm, request_args, testing, vtoken_stats
 
     cfg = dict(vtoken or {"mode": "off"})
     trace_path = None
     if cfg.get("mode", "vtoken") != "off" and trace_dir is not None:
         trace_path = Path(trace_dir) / f"trace-{len(list(Path(trace_dir).glob('trace-*')))}.jsonl"
         cfg["trace_path"] = str(trace_path)
-    llm = make_llm(
-        model,
-        VTokenConfig(**cfg),
+    engine_args = dict(
         dtype=dtype,
         block_size=32,
         max_model_len=max_model_len,
@@ -61,7 +60,11 @@ def run(
         enforce_eager=True,
         **kwargs,
     )
-    try:
+    if knobs:
+        opened = testing.open_llm(model, VTokenConfig(**cfg), testing.Knobs(**knobs), **engine_args)
+    else:
+        opened = open_llm(model, VTokenConfig(**cfg), **engine_args)
+    with opened as llm:
         options = options or [None] * len(token_prompts)
         sps = [
             SamplingParams(
@@ -85,14 +88,6 @@ def run(
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         trace = []
         if trace_path is not None and trace_path.exists():
-            # the engine core's ids carry a suffix: "<request id>-<random>"
-            by_id = {
-                json.loads(line)["request_id"].rsplit("-", 1)[0]: json.loads(line)
-                for line in trace_path.read_text().splitlines()
-            }
-            trace = [by_id[o.request_id] for o in outs]
+            by_id = {t["request_id"]: t for t in map(json.loads, trace_path.read_text().splitlines())}
+            trace = [by_id[o.request_id] for o in outs]  # lines carry the caller's (LLM's) request id
         return Run(tokens, lps, stats, trace, metrics)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()

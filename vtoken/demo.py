@@ -41,12 +41,12 @@ def build_prompts(n_passages: int) -> list[str]:
 def serve(model_dir: str, mode: str, args, prompts: list[str]) -> dict:
     from vllm import SamplingParams
 
-    from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats
+    from vtoken.vllm_adapter import VTokenConfig, open_llm, vtoken_stats
 
     cfg = VTokenConfig(mode=mode, policy=args.policy, budget=args.budget)
     log(f"[{mode}] starting vLLM on {args.model} ...")
     # float32: on CPUs without AVX512-BF16/AMX, vLLM's bf16 matmuls run at half the speed of fp32
-    llm = make_llm(
+    with open_llm(
         model_dir,
         cfg,
         dtype="float32",
@@ -55,16 +55,13 @@ def serve(model_dir: str, mode: str, args, prompts: list[str]) -> dict:
         enforce_eager=True,
         seed=0,
         kv_cache_memory_bytes=1 << 30,
-    )
-    try:
+    ) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         stats = vtoken_stats(llm) if mode != "off" else None
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    finished = {r["request_id"].rsplit("-", 1)[0]: r for r in (stats or {}).get("finished_requests", [])}
+    finished = {r["request_id"]: r for r in (stats or {}).get("finished_requests", [])}
     rows = []
     for o in outs:
         n_prompt, n_out = len(o.prompt_token_ids), len(o.outputs[0].token_ids)

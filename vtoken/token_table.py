@@ -10,13 +10,15 @@ reads slots ``[0, physical_len)``, so every slot in that range must hold a live 
     physical 0 1 2 3 4 5 6 7 8 9
 
 Storage is one int32 per logical token (``slot_of``, -1 = evicted), grown in block-sized chunks like the
-blocks themselves, so metadata stays at ~4 bytes per logical token (the paper's table needs ~16). The
-inverse map (slot -> logical) is derived on demand in O(n) NumPy; it is needed only when a compaction is
-planned or applied, never on the per-step path.
+blocks themselves, plus one int32 per logical block counting its live tokens (what Naive-Evict's block
+count needs, in O(blocks) rather than O(tokens)), so metadata stays at ~4 bytes per logical token (the
+paper's table needs ~16). The inverse map (slot -> logical) is derived on demand in O(n) NumPy; it is
+needed only when a compaction is planned or applied, never on the per-step path.
 
 Invariants (``check_integrity``):
   * live slots are distinct and lie in ``[0, physical_len)``;
-  * tokens never come back to life: evicted entries stay -1.
+  * tokens never come back to life: evicted entries stay -1;
+  * ``block_live[b]`` counts the live tokens among logical positions ``[b * block_size, (b + 1) * block_size)``.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ class TokenTableError(ValueError):
 class TokenTable:
     """Per-request logical-token -> physical-slot map. Plain NumPy, scheduler side only."""
 
-    __slots__ = ("block_size", "_slot_of", "_num_logical", "_physical_len", "_num_live")
+    __slots__ = ("block_size", "_slot_of", "_block_live", "_num_logical", "_physical_len", "_num_live")
 
     def __init__(self, block_size: int, num_tokens: int = 0) -> None:
         if block_size <= 0:
             raise TokenTableError(f"block_size must be positive, got {block_size}")
         self.block_size = int(block_size)
         self._slot_of = np.empty(0, dtype=SLOT_DTYPE)
+        self._block_live = np.zeros(0, dtype=SLOT_DTYPE)
         self._num_logical = 0
         self._physical_len = 0
         self._num_live = 0
@@ -70,7 +73,17 @@ class TokenTable:
     @property
     def nbytes(self) -> int:
         """Bytes of metadata held for this request (allocated capacity, not just the used part)."""
-        return int(self._slot_of.nbytes)
+        return int(self._slot_of.nbytes + self._block_live.nbytes)
+
+    def naive_blocks(self, writing: int = 0) -> int:
+        """Blocks Naive-Evict holds (no token ever moves, so logical token ``i`` sits at slot ``i``): every
+        block with a live token, plus the blocks the next ``writing`` tokens go to. With ``writing=0`` the
+        block being filled counts as held (it waits for the next token). O(blocks)."""
+        n, bs = self._num_logical, self.block_size
+        held = int(np.count_nonzero(self._block_live[: n // bs]))
+        if writing > 0:
+            return held + (-(-(n + writing) // bs) - n // bs)
+        return held + (1 if n % bs else 0)
 
     # ------------------------------------------------------------------ views
     @property
@@ -113,6 +126,14 @@ class TokenTable:
             grown = np.empty(cap, dtype=SLOT_DTYPE)
             grown[: self._num_logical] = self._slot_of[: self._num_logical]
             self._slot_of = grown
+            counts = np.zeros(cap // self.block_size, dtype=SLOT_DTYPE)
+            counts[: self._block_live.size] = self._block_live
+            self._block_live = counts
+        if n:
+            # New tokens are live: add each block's share of [num_logical, end) to its count.
+            first, last = self._num_logical // self.block_size, (end - 1) // self.block_size
+            edges = np.clip(np.arange(first, last + 2) * self.block_size, self._num_logical, end)
+            self._block_live[first : last + 1] += np.diff(edges).astype(SLOT_DTYPE)
         slots = np.arange(self._physical_len, self._physical_len + n, dtype=SLOT_DTYPE)
         self._slot_of[self._num_logical : end] = slots
         self._num_logical = end
@@ -138,6 +159,7 @@ class TokenTable:
             raise TokenTableError(f"kill of already-evicted tokens {logical[slots < 0][:8].tolist()}")
         self._slot_of[logical] = DEAD
         self._num_live -= logical.size
+        np.subtract.at(self._block_live, logical // self.block_size, 1)
         return slots
 
     def apply_moves(self, src: np.ndarray, dst: np.ndarray, physical_len: int | None = None) -> None:
@@ -168,6 +190,7 @@ class TokenTable:
     def reset(self) -> None:
         """Forget everything (preemption by recompute: the request starts over from logical token 0)."""
         self._slot_of = np.empty(0, dtype=SLOT_DTYPE)
+        self._block_live = np.zeros(0, dtype=SLOT_DTYPE)
         self._num_logical = self._physical_len = self._num_live = 0
 
     # ------------------------------------------------------------------ checks
@@ -184,6 +207,9 @@ class TokenTable:
             raise TokenTableError("two live tokens share a slot")
         if self._physical_len > self._num_logical:
             raise TokenTableError("more physical slots than logical tokens")
+        counts = np.bincount(np.flatnonzero(slots >= 0) // self.block_size, minlength=self._block_live.size)
+        if not np.array_equal(counts, self._block_live):
+            raise TokenTableError("per-block live counts disagree with slot_of")
 
     def __repr__(self) -> str:
         return (

@@ -84,7 +84,9 @@ class Engine:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        from vtoken.vllm_adapter import shutdown_llm
+
+        shutdown_llm(self.llm)
         self.llm = None
 
     @property
@@ -116,7 +118,7 @@ class Engine:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
         seconds = time.perf_counter() - t0
         stats = vtoken_stats(self.llm, reset=True) if self.cfg["mode"] != "off" else {}
-        finished = {r["request_id"].rsplit("-", 1)[0]: r for r in stats.get("finished_requests", [])}
+        finished = {r["request_id"]: r for r in stats.get("finished_requests", [])}
         served = []
         for o in outs:
             m = o.metrics

@@ -31,10 +31,10 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vtoken.vllm_adapter import VTokenConfig, make_llm, vtoken_stats
+    from vtoken.vllm_adapter import VTokenConfig, open_llm, vtoken_stats
 
     cfg = VTokenConfig(mode="vtoken", policy=policy, budget=args.budget)
-    llm = make_llm(
+    with open_llm(
         model_dir,
         cfg,
         dtype="float32",
@@ -46,8 +46,7 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
         skip_tokenizer_init=True,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp",
-    )
-    try:
+    ) as llm:
         sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -56,8 +55,6 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
         numel = max(1, round(ranks[0]["score_bytes_per_step"] / 4))
         probe = llm.collective_rpc("vtoken_tp_probe", args=(numel,))
         engine = {k: v for k, v in vtoken_stats(llm).items() if k not in ("requests", "finished_requests")}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     steps = args.max_tokens
     row = {
         "policy": policy,

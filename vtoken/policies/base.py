@@ -47,8 +47,10 @@ class EvictionPolicy(ABC):
     name: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        if not (self.budget > 0):
-            raise ValueError(f"{self.name}: budget must be > 0 (a ratio < 1 or a token count), got {self.budget}")
+        if not (self.budget > 0) or not np.isfinite(self.budget):
+            raise ValueError(
+                f"{self.name}: budget must be a finite number > 0 (a ratio < 1 or a token count), got {self.budget}"
+            )
         if self.budget >= 1 and float(self.budget) != int(self.budget):
             raise ValueError(f"{self.name}: a budget >= 1 is a token count and must be whole, got {self.budget}")
         for attr in ("interval",):

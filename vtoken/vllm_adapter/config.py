@@ -11,7 +11,9 @@ from vtoken.policies import EvictionPolicy, make_policy
 
 CONFIG_KEY = "vtoken"
 # What one request may choose for itself, in ``SamplingParams(extra_args={"vtoken": {...}})``.
-REQUEST_KEYS = frozenset({"policy", "budget", "interval", "sink", "recent", "seed", "policy_params"})
+REQUEST_KEYS = frozenset(
+    {"policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window"}
+)
 
 
 class VTokenConfig(BaseModel):
@@ -25,7 +27,9 @@ class VTokenConfig(BaseModel):
         "token at its original position (the Naive-Evict baseline). vtoken: evict and repack, freeing blocks.",
     )
     policy: str = Field("h2o", description="eviction policy: h2o, scissorhands, random, streaming")
-    budget: float = Field(0.5, description="live tokens kept per request: a ratio (< 1) of the context, or a count")
+    budget: float = Field(
+        0.5, allow_inf_nan=False, description="live tokens kept per request: a ratio (< 1) of the context, or a count"
+    )
     interval: int = Field(1, ge=1, description="evict every N decode steps")
     sink: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     recent: int = Field(16, ge=0, description="most recent tokens never evicted")
@@ -33,27 +37,36 @@ class VTokenConfig(BaseModel):
     policy_params: dict[str, Any] = Field(
         default_factory=dict, description="extra policy parameters, e.g. {'history': 32}"
     )
+    prefill_evict: bool = Field(
+        True,
+        description="evict at every prefill chunk boundary too, so a long prompt never holds more than its budget "
+        "plus one chunk (h2o and scissorhands score the chunk's last `prefill_window` queries). Off: the first "
+        "eviction comes after the prompt (random, streaming) or after the first decode step (h2o, scissorhands)",
+    )
+    prefill_window: int = Field(
+        32,
+        ge=1,
+        description="h2o/scissorhands with prefill_evict: queries at the end of each prefill chunk whose "
+        "attention seeds the statistics (SnapKV's observation window)",
+    )
+    prefill_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="largest prefill forward of a request, in tokens: sets vLLM's max_num_batched_tokens and "
+        "long_prefill_token_threshold (chunked prefill). null: vLLM's own (a prompt shorter than its token budget "
+        "is one chunk)",
+    )
     trace_path: str | None = Field(
         None,
-        description="append one JSON line per finished request: prompt and "
-        "output token ids and the decode step at which each evicted token died",
+        description="write one JSON line per finished request: the caller's request id, prompt and output token "
+        "ids, the prefill chunks, and the forward at which each evicted token died (an audit trail). An existing "
+        "file is refused unless trace_append is set",
     )
+    trace_append: bool = Field(False, description="append to an existing trace_path instead of refusing it")
     collect_scores: bool = Field(
         False,
         description="collect attention statistics even when the engine's "
         "policy needs none, so that single requests may choose h2o or scissorhands",
-    )
-    relocate_every: int = Field(
-        0,
-        ge=0,
-        description="testing: every N decode steps move every request's KV "
-        "into fresh blocks (same slot order); outputs must not change. 0 = never",
-    )
-    fault: Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only"] | None = Field(
-        None,
-        description="testing only, negative controls: skip the KV copies, or feed physical positions to "
-        "RoPE; both must break exactness. Tensor parallelism: TP rank 1 raises while applying a plan (the "
-        "engine must stop), or attention statistics from rank 0's heads only (H2O's decisions must change)",
     )
 
     @field_validator("policy")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
 from vtoken.vllm_adapter.messages import PoolReport
 
 SCHEDULER = "vtoken.vllm_adapter.scheduler.VTokenScheduler"
+TESTING_KEY = "vtoken_testing"  # testing knobs (vtoken/vllm_adapter/testing.py); never from a user's config
 WORKERS = {"cpu": "vtoken.vllm_adapter.worker.VTokenCPUWorker", "cuda": "vtoken.vllm_adapter.worker.VTokenGPUWorker"}
 
 # Features whose semantics clash with token eviction: refused at start-up rather than silently wrong.
@@ -65,7 +67,20 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
         if bad(value):
             raise ValueError(f"vToken mode {cfg.mode!r} cannot run with {key}={value!r}: {why}")
     extra = dict(kwargs.pop("additional_config", None) or {})
+    if TESTING_KEY in extra:
+        raise ValueError(f"additional_config[{TESTING_KEY!r}] is for vToken's own tests (vllm_adapter/testing.py)")
     extra[CONFIG_KEY] = cfg.model_dump()
+    if cfg.trace_path and not cfg.trace_append and os.path.exists(cfg.trace_path):
+        raise ValueError(
+            f"trace_path {cfg.trace_path!r} already exists: remove it, choose another path, or set trace_append=True"
+        )
+    if cfg.prefill_chunk:
+        if kwargs.get("enable_chunked_prefill") is False:
+            raise ValueError("prefill_chunk needs chunked prefill; drop enable_chunked_prefill=False")
+        # vLLM caps a prefill at long_prefill_token_threshold only while other requests wait
+        # (vllm/v1/core/sched/scheduler.py Scheduler.schedule); the step's token budget caps it always.
+        kwargs.update(enable_chunked_prefill=True, long_prefill_token_threshold=cfg.prefill_chunk)
+        kwargs.setdefault("max_num_batched_tokens", cfg.prefill_chunk)
     kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
     return {
         **kwargs,

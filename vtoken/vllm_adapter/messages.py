@@ -21,8 +21,8 @@ class VTokenStep:
     moves: MoveBatch  # global slots, all requests, one batch
     keep_blocks: dict[str, int] = field(default_factory=dict)  # req -> blocks it keeps (tail was freed)
     gaps: dict[str, int] = field(default_factory=dict)  # req -> logical - physical length (changes only)
-    want_scores: dict[str, tuple[str, ...]] = field(default_factory=dict)  # req -> stats its next step needs
-    replace_blocks: dict[str, list[int]] = field(default_factory=dict)  # req -> its whole new block list
+    observe: dict[str, int] = field(default_factory=dict)  # req -> how many of this forward's last queries to score
+    export: dict[str, tuple[str, ...]] = field(default_factory=dict)  # req -> statistics to send back after it
 
 
 @dataclass

@@ -4,7 +4,7 @@ Per step, before vLLM's own code runs: apply the scheduler's moves (one gather-t
 layer, plus the attention statistics), truncate the block lists of compacted requests, and record each
 request's gap (logical - physical length). Then, in ``_prepare_inputs``, positions stay LOGICAL (RoPE),
 while slot mapping and ``seq_lens`` become PHYSICAL (position - gap): attention reads exactly the packed
-slots, in which no dead token remains.
+slots, in which no dead token remains. The same split serves prefill chunks and decode steps.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ class VTokenRunnerMixin:
         self.vt = VTokenConfig.from_vllm(self.vllm_config)
         self.vt_policy = self.vt.make_policy()
         self.vt_gaps: dict[str, int] = {}
-        self.vt_want: dict[str, tuple[str, ...]] = {}
+        self.vt_observe: dict[str, int] = {}
+        self.vt_export: dict[str, tuple[str, ...]] = {}
+        self.vt_export_len: dict[str, int] = {}
         self.vt_mover = None
         self.vt_scorer: scores_mod.AttentionScorer | None = None
         self.vt_move_seconds = 0.0
         self.vt_bytes_moved = 0
-        self.vt_tp = TensorParallel.current(self.vt.fault)  # a world of one without tensor parallelism
+        self.vt_tp = TensorParallel.current()  # a world of one without tensor parallelism
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         """Mirror of GPUModelRunner.initialize_kv_cache: then build the mover and the scorer."""
@@ -58,25 +60,26 @@ class VTokenRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _vt_apply(self, step: VTokenStep, so) -> None:
-        if len(step.moves) and self.vt.fault != "skip_moves":
-            t0 = time.perf_counter()
-            extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
-            before = self.vt_mover.bytes_moved
-            self.vt_mover.apply(self.kv_caches, step.moves, extra)
-            if hasattr(self.vt_mover, "wait"):
-                self.vt_mover.wait()  # CUDA: the forward's stream waits on the side stream's event
-            self.vt_bytes_moved += self.vt_mover.bytes_moved - before
-            self.vt_move_seconds += time.perf_counter() - t0
+        if len(step.moves):
+            self._vt_move(step)
         for rid, keep in step.keep_blocks.items():
             self._vt_set_blocks(rid, lambda ids, keep=keep: ids[:keep])
-        for rid, blocks in step.replace_blocks.items():
-            self._vt_set_blocks(rid, lambda ids, blocks=blocks: blocks)
         self.vt_gaps.update(step.gaps)
         for rid in so.finished_req_ids:
             self.vt_gaps.pop(rid, None)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             self.vt_gaps.pop(rid, None)  # resumed after preemption: recomputed from scratch, no gap
-        self.vt_want = step.want_scores
+        self.vt_observe, self.vt_export = step.observe, step.export
+
+    def _vt_move(self, step: VTokenStep) -> None:
+        t0 = time.perf_counter()
+        extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
+        before = self.vt_mover.bytes_moved
+        self.vt_mover.apply(self.kv_caches, step.moves, extra)
+        if hasattr(self.vt_mover, "wait"):
+            self.vt_mover.wait()  # CUDA: the forward's stream waits on the side stream's event
+        self.vt_bytes_moved += self.vt_mover.bytes_moved - before
+        self.vt_move_seconds += time.perf_counter() - t0
 
     def _vt_set_blocks(self, rid: str, new) -> None:
         """Rewrite a request's block list in CachedRequestState and in the persistent batch together: a
@@ -96,8 +99,9 @@ class VTokenRunnerMixin:
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
         num_reqs = self.input_batch.num_reqs
         total = scheduler_output.total_num_scheduled_tokens
+        req_ids = self.input_batch.req_ids[:num_reqs]
         if self.vt_gaps:
-            gaps = np.array([self.vt_gaps.get(r, 0) for r in self.input_batch.req_ids[:num_reqs]], np.int64)
+            gaps = np.array([self.vt_gaps.get(r, 0) for r in req_ids], np.int64)
             if gaps.any():
                 g = torch.from_numpy(gaps)
                 req_idx = torch.from_numpy(self.req_indices.np[:total].astype(np.int64))
@@ -107,11 +111,25 @@ class VTokenRunnerMixin:
                 self.input_batch.block_table.compute_slot_mapping(
                     num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical
                 )
-                if self.vt.fault == "physical_rope":  # negative control: RoPE sees physical positions
-                    self.positions[:total] = physical
+                self._vt_physical_positions(total, physical)
         if self.vt_scorer is not None:
             self.vt_scorer.reset_slots(self.input_batch.block_table[0].slot_mapping.gpu[:total].long())
+            observe, rows = self.vt_observe, self.input_batch.req_id_to_index
+            picked = [(rows[r], n) for r, n in observe.items() if r in rows]
+            self.vt_scorer.begin_step(
+                np.array([p[0] for p in picked], np.int64), np.array([p[1] for p in picked], np.int64)
+            )
+            # Physical length of each exported request once this forward has written its tokens.
+            computed = self.input_batch.num_computed_tokens_cpu
+            self.vt_export_len = {
+                r: int(computed[rows[r]] + num_scheduled_tokens[rows[r]]) - self.vt_gaps.get(r, 0)
+                for r in self.vt_export
+                if r in rows
+            }
         return result
+
+    def _vt_physical_positions(self, total: int, physical: torch.Tensor) -> None:
+        """Hook for negative controls (vtoken/vllm_adapter/testing.py): RoPE keeps the logical positions."""
 
     # ---------------------------------------------------------------- after the forward
     def sample_tokens(self, *args, **kwargs):
@@ -122,21 +140,21 @@ class VTokenRunnerMixin:
         scorer = self.vt_scorer
         if scorer is not None:
             scorer.end_step()
-            if self.vt_want:
-                for row, seq_len in zip(scorer.rows, scorer.lens):
-                    rid = self.input_batch.req_ids[row]
-                    if rid in self.vt_want and rid in self.requests:
-                        vt.stats[rid] = scorer.export(self.requests[rid].block_ids[0], int(seq_len), self.vt_want[rid])
+            for rid, length in self.vt_export_len.items():
+                state = self.requests.get(rid)
+                if state is not None:
+                    vt.stats[rid] = scorer.export(state.block_ids[0], length, self.vt_export[rid])
         target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
         if target is not None:
             target.vtoken = vt
         return out
 
 
-def runner_cls(base: type) -> type:
-    """vToken's runner over one of vLLM's V1 runners (CPUModelRunner or GPUModelRunner)."""
+def runner_cls(base: type, *mixins: type) -> type:
+    """vToken's runner over one of vLLM's V1 runners (CPUModelRunner or GPUModelRunner); ``mixins`` go first
+    (the testing runner's negative controls)."""
 
-    class VTokenModelRunner(VTokenRunnerMixin, base):
+    class VTokenModelRunner(*mixins, VTokenRunnerMixin, base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._vt_setup()

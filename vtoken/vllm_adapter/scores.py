@@ -39,12 +39,17 @@ class AttentionScorer:
         self._step: tuple | None = None  # (rows, lens, slots, req_of) of this step's decode requests
         self._layers = 0
         self._heads = 1  # query heads on this rank
+        self._want = torch.empty(0, dtype=torch.int64)
         self.rows: np.ndarray = np.empty(0, np.int64)
         self.lens: np.ndarray = np.empty(0, np.int64)
 
     @property
     def extra_tensors(self) -> list[torch.Tensor]:
         return [self.acc, self.hist]
+
+    def begin_step(self, rows: np.ndarray, n_queries: np.ndarray) -> None:
+        """Batch rows to observe this step (interim: decode rows only; prefill windows come with the fast scorer)."""
+        self._want = torch.as_tensor(np.asarray(rows, np.int64))
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """New tokens start with no history."""
@@ -55,6 +60,7 @@ class AttentionScorer:
         qsl = md.query_start_loc
         qlens = qsl[1:] - qsl[:-1]
         rows = torch.nonzero(qlens == 1).flatten()
+        rows = rows[torch.isin(rows, self._want.to(rows.device))]
         if rows.numel() == 0:
             return None
         lens = md.seq_lens[rows].long()

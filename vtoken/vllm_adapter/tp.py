@@ -137,7 +137,7 @@ class TensorParallel:
         """Wrap the application of one ``VTokenStep``: if any rank raises inside, every rank raises
         ``PlanFailedError`` naming the failed rank(s), the step and its requests."""
         self.step += 1
-        has_plan = bool(len(step.moves) or step.keep_blocks or step.replace_blocks)
+        has_plan = bool(len(step.moves) or step.keep_blocks)
         if self.world == 1 or not has_plan:
             yield
             return
@@ -158,7 +158,7 @@ class TensorParallel:
             errors, None if error is None else f"{type(error).__name__}: {error}", group=self.group.cpu_group
         )
         why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-        reqs = sorted(set(step.keep_blocks) | set(step.replace_blocks))
+        reqs = sorted(step.keep_blocks)
         raise PlanFailedError(
             f"vToken: tensor-parallel rank(s) {[r for r, e in enumerate(errors) if e]} failed to apply the "
             f"compaction plan of step {self.step} ({len(step.moves)} moves, requests {reqs}) ({why}). "

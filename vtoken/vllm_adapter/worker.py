@@ -20,14 +20,6 @@ class VTokenWorkerRPC:
         """Latency of the exchanges alone, ranks in step (see tp.TensorParallel.probe); every rank runs it."""
         return {"rank": self.model_runner.vt_tp.rank, **self.model_runner.vt_tp.probe(numel, reps)}
 
-    def vtoken_set_fault(self, fault: str | None) -> None:
-        """Testing: switch a tensor-parallel fault (tp.FAULTS) on a running engine, saving an engine start."""
-        from vtoken.vllm_adapter.tp import FAULTS
-
-        if fault is not None and fault not in FAULTS:
-            raise ValueError(f"unknown tensor-parallel fault {fault!r}; known: {FAULTS}")
-        self.model_runner.vt_tp.fault = fault
-
 
 def _force_v1_runner(worker) -> None:
     """vToken's overrides mirror the V1 runner (_prepare_inputs, _update_states); the V2 runner differs. vLLM
@@ -40,6 +32,8 @@ class VTokenCPUWorker(VTokenWorkerRPC, CPUWorker):
     """Mirror of vllm/v1/worker/cpu_worker.py CPUWorker.init_device, which builds its CPUModelRunner inline:
     we let it, then replace the (not yet loaded) runner with vToken's subclass."""
 
+    runner_mixins: tuple[type, ...] = ()  # the testing worker adds its negative controls here
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _force_v1_runner(self)
@@ -48,14 +42,15 @@ class VTokenCPUWorker(VTokenWorkerRPC, CPUWorker):
         super().init_device()
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-        self.model_runner = runner_cls(CPUModelRunner)(self.vllm_config, torch.device("cpu"))
+        self.model_runner = runner_cls(CPUModelRunner, *self.runner_mixins)(self.vllm_config, torch.device("cpu"))
 
 
-def _gpu_worker_cls():
+def gpu_worker_cls(*mixins: type, rpc: tuple[type, ...] = ()):
+    """vToken's CUDA worker (its runner with ``mixins`` first, extra RPC classes in ``rpc``)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    class VTokenGPUWorker(VTokenWorkerRPC, Worker):
+    class VTokenGPUWorker(*rpc, VTokenWorkerRPC, Worker):
         """Mirror of vllm/v1/worker/gpu_worker.py Worker._make_model_runner (meant for subclasses)."""
 
         def __init__(self, *args, **kwargs) -> None:
@@ -63,12 +58,12 @@ def _gpu_worker_cls():
             _force_v1_runner(self)
 
         def _make_model_runner(self, *args, **kwargs):
-            return runner_cls(GPUModelRunner)(self.vllm_config, self.device)
+            return runner_cls(GPUModelRunner, *mixins)(self.vllm_config, self.device)
 
     return VTokenGPUWorker
 
 
 def __getattr__(name: str):
     if name == "VTokenGPUWorker":  # imported lazily: the CPU build of vLLM has no CUDA worker deps
-        return _gpu_worker_cls()
+        return gpu_worker_cls()
     raise AttributeError(name)

@@ -1,0 +1,158 @@
+"""What vToken records, per request and per engine. Plain Python and NumPy; the compactor fills it.
+
+Per request: the forwards it ran (prefill chunks and decode steps, counted together from 0), the tokens it
+evicted and at which forward, the blocks it held during each forward against the bound its budget allows,
+the time-averaged blocks over decode steps (retained, Naive-Evict's, the floor), and tokens moved.
+Per engine: counters since start (tokens evicted and moved, blocks freed, compaction time, preemptions).
+
+Blocks are counted DURING a forward, after vLLM allocated the blocks its new tokens go to:
+  retained  what the request holds (naive mode: with the ballast that models Naive-Evict)
+  naive     every block with a live token at its original position, plus the blocks of the new tokens
+  floor     ceil((live + new) / block_size)
+  bound     ceil((keep + new) / block_size) + 1, keep = what the budget allows at the current length
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vtoken.token_table import TokenTable
+
+
+@dataclass
+class RequestRecord:
+    request_id: str  # the caller's id (never vLLM's internal one)
+    seed: int
+    policy: str = ""
+    budget: float = 0.0
+    prefix_cached: int = 0  # prompt tokens read from the prefix cache (no forward of this request computed them)
+    outputs_at_start: int = 0  # outputs sampled before this run (a preempted request recomputes them first)
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # trace() of the runs a preemption ended
+    forwards: int = 0  # forwards run so far; the next forward's index
+    prefill_chunks: list[int] = field(default_factory=list)  # sizes of the prefill forwards, in order
+    died_pos: list[np.ndarray] = field(default_factory=list)
+    died_step: list[np.ndarray] = field(default_factory=list)
+    died_forward: list[np.ndarray] = field(default_factory=list)
+    tokens_moved: int = 0
+    steps: int = 0  # decode forwards
+    sum_retained: int = 0
+    sum_naive: int = 0
+    sum_floor: int = 0
+    peak_retained: int = 0  # over every forward, prefill chunks included
+    peak_naive: int = 0
+    over_bound: int = -(1 << 30)  # max over forwards of retained - bound (<= 0: the bound held)
+    forward_blocks: list[int] = field(default_factory=list)  # retained blocks during each forward
+    logprobs: list[float] | None = None  # the sampled tokens' log-probabilities, when the request asked
+    final: dict[str, Any] | None = None
+
+    def record_deaths(self, logical: np.ndarray, step: int) -> None:
+        """``logical`` died before forward ``self.forwards`` (decode step ``step``; 0 during the prefill)."""
+        n = len(logical)
+        self.died_pos.append(np.asarray(logical, dtype=np.int64))
+        self.died_step.append(np.full(n, step, dtype=np.int64))
+        self.died_forward.append(np.full(n, self.forwards, dtype=np.int64))
+
+    def forward(self, new_tokens: int, prefill: bool, retained: int, naive: int, floor: int, bound: int) -> None:
+        """A forward of ``new_tokens`` tokens runs now, with the request holding ``retained`` blocks."""
+        self.forwards += 1
+        if prefill:
+            self.prefill_chunks.append(int(new_tokens))
+        else:
+            self.steps += 1
+            self.sum_retained += retained
+            self.sum_naive += naive
+            self.sum_floor += floor
+        self.forward_blocks.append(int(retained))
+        self.peak_retained = max(self.peak_retained, retained)
+        self.peak_naive = max(self.peak_naive, naive)
+        self.over_bound = max(self.over_bound, retained - bound)
+
+    def snapshot(self, table: TokenTable, n_blocks: int, n_ballast: int) -> dict[str, Any]:
+        mean = lambda total: total / self.steps if self.steps else float(n_blocks)  # noqa: E731
+        return {
+            "logical_tokens": table.num_logical,
+            "live_tokens": table.num_live,
+            "retained_blocks": n_blocks + n_ballast,
+            "naive_retained_blocks": table.naive_blocks(),
+            "floor_blocks": -(-table.num_live // table.block_size),
+            "tokens_moved": self.tokens_moved,
+            "mean_retained_blocks": mean(self.sum_retained),
+            "mean_naive_retained_blocks": mean(self.sum_naive),
+            "mean_floor_blocks": mean(self.sum_floor),
+            "decode_steps": self.steps,
+            "forwards": self.forwards,
+            "policy": self.policy,
+            "budget": self.budget,
+            "peak_retained_blocks": self.peak_retained,
+            "peak_naive_retained_blocks": self.peak_naive,
+            "peak_over_bound": self.over_bound if self.forwards else 0,
+            "metadata_bytes": table.nbytes,
+        }
+
+    def finish(self, table: TokenTable, n_blocks: int, n_ballast: int) -> None:
+        self.final = self.snapshot(table, n_blocks, n_ballast)
+
+    def trace(self) -> dict[str, Any]:
+        """The audit fields of a trace line: with the prompt and output ids, enough to rebuild which query saw
+        which key (tests/reference.py does)."""
+        cat = lambda parts: np.concatenate(parts).tolist() if parts else []  # noqa: E731
+        out = {
+            "outputs_at_start": self.outputs_at_start,
+            "evicted_positions": cat(self.died_pos),
+            "evicted_at_step": cat(self.died_step),
+            "evicted_at_forward": cat(self.died_forward),
+            "prefill_chunks": list(self.prefill_chunks),
+            "prefix_cached_tokens": self.prefix_cached,
+            "blocks_per_forward": list(self.forward_blocks),
+        }
+        if self.earlier:
+            out["preempted_runs"] = list(self.earlier)
+        if self.logprobs is not None:
+            out["logprobs"] = list(self.logprobs)
+        return out
+
+
+@dataclass
+class EngineTotals:
+    """Counters since the engine started (``*_seconds``: host time)."""
+
+    compaction_seconds: float = 0.0
+    move_seconds: float = 0.0
+    bytes_moved: int = 0
+    tokens_moved: int = 0
+    tokens_evicted: int = 0
+    blocks_freed: int = 0
+    preemptions: int = 0
+    preemptions_in_prefill: int = 0
+    peak_running: int = 0  # most requests running at once since the last reset (vtoken_stats(reset=True))
+    finished: list[dict[str, Any]] = field(default_factory=list)
+    keep_finished: int = 1000  # a long-running server keeps the last this many finished records
+
+    def add_finished(self, record: RequestRecord) -> None:
+        self.finished.append({"request_id": record.request_id, **(record.final or {})})
+        del self.finished[: -self.keep_finished]
+
+    def summary(self, running: dict[str, dict[str, Any]], block_size: int) -> dict[str, Any]:
+        retained = sum(r["retained_blocks"] for r in running.values())
+        naive = sum(r["naive_retained_blocks"] for r in running.values())
+        live = sum(r["live_tokens"] for r in running.values())
+        return {
+            "blocks_reclaimed": max(naive - retained, 0),
+            "retained_blocks": retained,
+            "naive_retained_blocks": naive,
+            "live_tokens": live,
+            "compaction_seconds": self.compaction_seconds,
+            "move_seconds": self.move_seconds,
+            "bytes_moved": self.bytes_moved,
+            "tokens_moved": self.tokens_moved,
+            "tokens_evicted": self.tokens_evicted,
+            "blocks_freed": self.blocks_freed,
+            "preemptions_seen": self.preemptions,
+            "preemptions_in_prefill": self.preemptions_in_prefill,
+            "peak_running": self.peak_running,
+            "fragmentation": 1 - live / (retained * block_size) if retained else 0.0,
+            "finished_requests": list(self.finished),
+        }

@@ -1,0 +1,155 @@
+"""Testing knobs for vToken's own tests: negative controls and relocation. Never reachable from a serving config.
+
+    from vtoken.vllm_adapter import testing
+    with testing.open_llm(model, VTokenConfig(...), testing.Knobs(fault="skip_moves"), block_size=32) as llm: ...
+
+The public ``engine_kwargs`` refuses ``additional_config["vtoken_testing"]``, and VTokenConfig has no such
+fields, so a serve config cannot switch them on. This module swaps in subclasses of vToken's scheduler and
+worker; the serving classes carry no testing code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: F401  (the CPU build always has it)
+
+from vtoken.compactor import StepPlan
+from vtoken.mover import MoveBatch
+from vtoken.planner import to_global_slots
+from vtoken.vllm_adapter import engine as engine_mod
+from vtoken.vllm_adapter.config import VTokenConfig
+from vtoken.vllm_adapter.engine import TESTING_KEY
+from vtoken.vllm_adapter.scheduler import VTokenScheduler
+from vtoken.vllm_adapter.worker import VTokenCPUWorker, gpu_worker_cls
+
+FAULTS = ("skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only")
+
+
+class Knobs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fault: Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only"] | None = Field(
+        None,
+        description="negative controls: skip the KV copies, or feed physical positions to RoPE (both must break "
+        "exactness); TP rank 1 raises while applying a plan (the engine must stop), or attention statistics "
+        "from rank 0's heads only (H2O's decisions must change)",
+    )
+    relocate_every: int = Field(
+        0,
+        ge=0,
+        description="every N decode steps move every request's KV into fresh blocks (same slot order); "
+        "outputs must not change. 0 = never",
+    )
+
+    @classmethod
+    def from_vllm(cls, vllm_config) -> Knobs:
+        return cls(**((getattr(vllm_config, "additional_config", None) or {}).get(TESTING_KEY) or {}))
+
+
+def engine_kwargs(vtoken: VTokenConfig | dict, knobs: Knobs, **kwargs: Any) -> dict[str, Any]:
+    kw = engine_mod.engine_kwargs(vtoken, **kwargs)
+    if "scheduler_cls" not in kw:
+        raise ValueError("testing knobs need vToken on (mode naive or vtoken)")
+    kw["additional_config"][TESTING_KEY] = knobs.model_dump()
+    kw["scheduler_cls"] = f"{__name__}.TestingScheduler"
+    kw["worker_cls"] = f"{__name__}.{'TestingCPUWorker' if engine_mod._platform() == 'cpu' else 'TestingGPUWorker'}"
+    return kw
+
+
+@contextlib.contextmanager
+def open_llm(model: str, vtoken: VTokenConfig | dict, knobs: Knobs, **kwargs: Any) -> Iterator[Any]:
+    from vllm import LLM
+
+    llm = LLM(model=model, **engine_kwargs(vtoken, knobs, **kwargs))
+    try:
+        yield llm
+    finally:
+        engine_mod.shutdown_llm(llm)
+
+
+class TestingScheduler(VTokenScheduler):
+    """Relocation: every ``relocate_every`` decode steps, a request that is not compacted in this step has every
+    slot moved into the same slot of fresh blocks, and its old blocks are freed."""
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self.vt_knobs = Knobs.from_vllm(vllm_config)
+        self.vt_replace: dict[str, list[int]] = {}
+
+    def _vt_before_schedule(self, plan: StepPlan) -> StepPlan:
+        self.vt_replace = {}
+        every = self.vt_knobs.relocate_every
+        if not every:
+            return plan
+        moves = [plan.moves]
+        for request in self.running:
+            rid = request.request_id
+            st = self.vt_core.states.get(rid)
+            if st is None or st.in_prefill or rid in plan.keep_blocks or request.num_output_tokens % every:
+                continue
+            old = self.vt_manager.req_to_blocks[rid]
+            if len(old) > self.vt_pool.get_num_free_blocks():
+                continue
+            new = self.vt_pool.get_new_blocks(len(old))
+            slots = np.arange(st.table.physical_len)
+            self.vt_core.totals.tokens_moved += slots.size
+            moves.append(
+                MoveBatch(
+                    to_global_slots(slots, [b.block_id for b in old], self.vt_bs),
+                    to_global_slots(slots, [b.block_id for b in new], self.vt_bs),
+                )
+            )
+            freed = list(old)
+            old[:] = new  # the same list object: vLLM and the compactor both hold it
+            self.vt_pool.free_blocks(reversed(freed))
+            self.vt_replace[rid] = [b.block_id for b in new]
+        return plan._replace(moves=MoveBatch.concat(moves))
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        out.vtoken_testing = {"replace_blocks": self.vt_replace}
+        return out
+
+
+class TestingRunnerMixin:
+    def _vt_setup(self) -> None:
+        super()._vt_setup()
+        self.vt_knobs = Knobs.from_vllm(self.vllm_config)
+        self.vt_tp.fault = self.vt_knobs.fault  # tensor-parallel faults live in tp.TensorParallel
+
+    def _vt_move(self, step) -> None:
+        if self.vt_knobs.fault != "skip_moves":
+            super()._vt_move(step)
+
+    def _vt_apply(self, step, so) -> None:
+        super()._vt_apply(step, so)
+        for rid, blocks in getattr(so, "vtoken_testing", {}).get("replace_blocks", {}).items():
+            self._vt_set_blocks(rid, lambda ids, blocks=blocks: blocks)
+
+    def _vt_physical_positions(self, total, physical) -> None:
+        if self.vt_knobs.fault == "physical_rope":  # negative control: RoPE sees physical positions
+            self.positions[:total] = physical
+
+
+class TestingRPC:
+    def vtoken_set_fault(self, fault: str | None) -> None:
+        """Switch a fault on a running engine (saves an engine start in the tensor-parallel tests)."""
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+        self.model_runner.vt_knobs = self.model_runner.vt_knobs.model_copy(update={"fault": fault})
+        self.model_runner.vt_tp.fault = fault
+
+
+class TestingCPUWorker(TestingRPC, VTokenCPUWorker):
+    runner_mixins = (TestingRunnerMixin,)
+
+
+def __getattr__(name: str):
+    if name == "TestingGPUWorker":
+        return gpu_worker_cls(TestingRunnerMixin, rpc=(TestingRPC,))
+    raise AttributeError(name)
