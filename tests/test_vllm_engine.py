@@ -220,3 +220,9 @@ def test_under_kv_pressure_vtoken_preempts_least_and_everything_is_freed():
         assert runs[mode].stats["free_blocks"] == runs[mode].stats["total_blocks"]
     assert runs["off"].metrics["vllm:kv_cache_usage_perc"] == 0
     assert all(len(t) == 150 for r in runs.values() for t in r.tokens)
+    # A request preempted while decoding resumes from token 0; its trace keeps every run, and each output token
+    # equals the reference under the run that sampled it.
+    resumed = [t for t in runs["naive"].trace if t.get("preempted_runs")]
+    assert resumed and any(run["evicted_positions"] for t in resumed for run in t["preempted_runs"])
+    check_exact(runs["naive"])
+    check_exact(runs["vtoken"])

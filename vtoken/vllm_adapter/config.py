@@ -52,9 +52,9 @@ class VTokenConfig(BaseModel):
     prefill_chunk: int | None = Field(
         None,
         ge=1,
-        description="largest prefill forward of a request, in tokens: sets vLLM's max_num_batched_tokens and "
-        "long_prefill_token_threshold (chunked prefill). null: vLLM's own (a prompt shorter than its token budget "
-        "is one chunk)",
+        description="largest prefill forward of a request while others run or wait, in tokens (vLLM's "
+        "long_prefill_token_threshold, chunked prefill); a request alone may take the step's whole budget, "
+        "max_num_batched_tokens. null: vLLM's own (a prompt shorter than the step budget is one chunk)",
     )
     trace_path: str | None = Field(
         None,

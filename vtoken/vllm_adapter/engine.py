@@ -77,10 +77,11 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
     if cfg.prefill_chunk:
         if kwargs.get("enable_chunked_prefill") is False:
             raise ValueError("prefill_chunk needs chunked prefill; drop enable_chunked_prefill=False")
-        # vLLM caps a prefill at long_prefill_token_threshold only while other requests wait
-        # (vllm/v1/core/sched/scheduler.py Scheduler.schedule); the step's token budget caps it always.
+        # vLLM caps each request's prefill forward at long_prefill_token_threshold whenever another request is
+        # running or waiting; a request alone may use the step's whole budget, max_num_batched_tokens
+        # (vllm/v1/core/sched/scheduler.py Scheduler.schedule). Capping the step budget itself would starve
+        # decoding requests, so vToken leaves it to the caller.
         kwargs.update(enable_chunked_prefill=True, long_prefill_token_threshold=cfg.prefill_chunk)
-        kwargs.setdefault("max_num_batched_tokens", cfg.prefill_chunk)
     kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
     return {
         **kwargs,
