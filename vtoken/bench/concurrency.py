@@ -1,15 +1,16 @@
-"""Maximum feasible concurrency under a fixed, small KV pool: off / naive / vtoken at each budget.
+"""Maximum feasible concurrency under a fixed, small KV pool: off / naive / vtoken, with eviction only after the
+prompt (decode-only) or between prefill chunks too (prefill), at each budget.
 
-A batch of N different prompts of the same length (real text) is submitted at once; prefix caching is
-off in every mode, so no blocks are shared. It is *feasible* when all N were
-running together at one moment (the last one scheduled before the first one finished, from vLLM's own
-per-request timestamps) and no request was preempted. For each mode and budget we climb a ladder of N
-search for the largest feasible N (starting from the mode before it: naive from off, vtoken from naive at
-the same budget, since each holds at most what the one before holds; then jumping to what the pool fits at
-the peak blocks a request held, or doubling; then bisection) and
-report it with the batch's throughput there. Short prompts and long outputs: the decode phase, where
-eviction acts, decides the peak. The pool is the same for every mode;
-``--pool-blocks`` sets it in blocks. One engine per mode serves every budget (per-request options).
+A batch of N different prompts of the same length (real text) is submitted at once; prefix caching is off in
+every mode, so no blocks are shared. Prompts are long against the outputs and read in chunks of
+``--prefill-chunk`` tokens (the same chunks in every mode). It is *feasible* when all N were running together
+at one moment (the last one scheduled before the first one finished, from vLLM's own per-request timestamps)
+and no request was preempted. For each setting we search for the largest feasible N (starting from the setting
+before it, which holds at least as much; then jumping to what the pool fits at the peak blocks a request held,
+or doubling; then bisection) and report it with the batch's throughput there. With decode-only eviction every
+request first holds its whole prompt, so the prompt decides the peak; with prefill eviction a request never
+holds more than its budget plus one chunk. The pool is the same for every mode (``--pool-blocks``). One engine
+per mode serves every budget and both eviction settings (per-request options).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ MAX_N = 64
 def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy", default="h2o")
-    p.add_argument("--budgets", default="0.5,0.25,0.125")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--pool-blocks", type=int, default=48, help="KV pool size in blocks of 32 tokens")
+    p.add_argument("--budgets", default="0.25")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--pool-blocks", type=int, default=160, help="KV pool size in blocks of 32 tokens")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill forward")
 
 
 def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
@@ -92,38 +94,57 @@ def _search(
     }
 
 
+SETTINGS = (("naive", False), ("naive", True), ("vtoken", False), ("vtoken", True))  # (mode, prefill_evict)
+
+
+def _label(mode: str, prefill: bool | None) -> str:
+    return mode if prefill is None else f"{mode} ({'prefill' if prefill else 'decode-only'})"
+
+
 def run(args) -> dict:
     from vtoken.models import model_path
 
     if args.quick:
-        model, budgets, plen, m, pool, max_n = "tiny-llama", [0.5], 64, 64, 12, 4
+        model, budgets, plen, m, pool, max_n, chunk = "tiny-llama", [0.25], 256, 32, 36, 6, 64
     else:
-        model, budgets, plen, m, pool, max_n = (
+        model, budgets, plen, m, pool, max_n, chunk = (
             args.model,
             [float(b) for b in args.budgets.split(",")],
             args.prompt_tokens,
             args.max_tokens,
             args.pool_blocks,
             MAX_N,
+            args.prefill_chunk,
         )
     model_dir = str(model_path(model))
     prompts = real_prompts(model_dir, MAX_N, plen)
     kv = (pool + 1) * _block_bytes(model_dir, 32)  # + vLLM's reserved null block
     kw = dict(kv_bytes=kv, max_model_len=plen + m + 64, max_num_seqs=MAX_N, enable_prefix_caching=False)
     results = []
-    with Engine(model_dir, "off", **kw) as e:
+    with Engine(model_dir, "off", {"prefill_chunk": chunk}, **kw) as e:
         pool = e.total_blocks
-        results.append({"mode": "off", "budget": 1.0, **_search(e, prompts, m, None, 1, "off", max_n)})
+        results.append(
+            {"mode": "off", "prefill_evict": None, "budget": 1.0, **_search(e, prompts, m, None, 1, "off", max_n)}
+        )
     start = {b: results[0]["max_concurrency"] for b in budgets}
     for mode in ("naive", "vtoken"):
-        with Engine(model_dir, mode, {"policy": args.policy}, **kw) as e:
+        with Engine(model_dir, mode, {"policy": args.policy, "prefill_chunk": chunk}, **kw) as e:
             for b in budgets:
-                r = _search(e, prompts, m, {"budget": b}, start[b], f"{mode} {b}", max_n)
-                start[b] = r["max_concurrency"]
-                results.append({"mode": mode, "budget": b, **r})
+                for prefill in (False, True):
+                    opt = {"budget": b, "prefill_evict": prefill}
+                    r = _search(e, prompts, m, opt, start[b], f"{_label(mode, prefill)} {b}", max_n)
+                    start[b] = min(start[b], r["max_concurrency"]) if mode == "naive" else r["max_concurrency"]
+                    results.append({"mode": mode, "prefill_evict": prefill, "budget": b, **r})
     off = results[0]["max_concurrency"]
     for r in results:
-        naive = next((x for x in results if x["mode"] == "naive" and x["budget"] == r["budget"]), None)
+        naive = next(
+            (
+                x
+                for x in results
+                if x["mode"] == "naive" and x["budget"] == r["budget"] and x["prefill_evict"] == r["prefill_evict"]
+            ),
+            None,
+        )
         r["vs_off"] = r["max_concurrency"] / off if off else None
         r["vs_naive"] = r["max_concurrency"] / naive["max_concurrency"] if naive and naive["max_concurrency"] else None
     return {
@@ -131,6 +152,7 @@ def run(args) -> dict:
         "policy": args.policy,
         "prompt_tokens": plen,
         "max_tokens": m,
+        "prefill_chunk": chunk,
         "pool_blocks": pool,
         "budgets": budgets,
         "results": results,
@@ -140,10 +162,11 @@ def run(args) -> dict:
 def tables(result: dict) -> list[Table]:
     rows = [
         [
-            r["mode"],
+            _label(r["mode"], r.get("prefill_evict")),
             r["budget"] if r["mode"] != "off" else "-",
             r["max_concurrency"],
             round(r["tokens_per_s"], 1),
+            max((t["peak_blocks"] for t in r["ladder"] if t["feasible"]), default="-"),
             f"x{r['vs_naive']:.2f}" if r["vs_naive"] else "-",
             f"x{r['vs_off']:.2f}" if r["vs_off"] else "-",
         ]
@@ -152,10 +175,20 @@ def tables(result: dict) -> list[Table]:
     return [
         Table(
             f"Maximum feasible concurrency in a {result['pool_blocks']}-block pool ({result['model']}, "
-            f"{result['policy']}, {result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens)",
-            ["mode", "budget", "max concurrent requests", "tokens/s at that point", "vs naive", "vs off"],
+            f"{result['policy']}, {result['prompt_tokens']}-token prompts read in chunks of "
+            f"{result.get('prefill_chunk')}, {result['max_tokens']} output tokens)",
+            [
+                "eviction",
+                "budget",
+                "max concurrent requests",
+                "tokens/s at that point",
+                "peak blocks per request",
+                "vs naive (same eviction)",
+                "vs off",
+            ],
             rows,
-            "Feasible: all requests running together, no preemption (paper: up to 2x vs naive).",
+            "Feasible: all requests running together, no preemption (paper: up to 2x vs naive). Peak blocks: the "
+            "most one request held at the largest feasible N (vToken's record; off has none).",
         )
     ]
 
@@ -167,17 +200,22 @@ def plot(result: dict, fig) -> None:
     budgets = result["budgets"]
     x = np.arange(len(budgets))
     off = result["results"][0]["max_concurrency"]
-    for j, mode in enumerate(("naive", "vtoken")):
+    w = 0.8 / len(SETTINGS)
+    for j, (mode, prefill) in enumerate(SETTINGS):
         vals = [
-            next(r["max_concurrency"] for r in result["results"] if r["mode"] == mode and r["budget"] == b)
+            next(
+                r["max_concurrency"]
+                for r in result["results"]
+                if r["mode"] == mode and r["budget"] == b and r.get("prefill_evict") == prefill
+            )
             for b in budgets
         ]
-        ax.bar(x + (j - 0.5) * 0.35, vals, 0.35, label=mode)
+        ax.bar(x + (j - (len(SETTINGS) - 1) / 2) * w, vals, w, label=_label(mode, prefill))
     ax.axhline(off, color="k", ls="--", label="off")
     ax.set_xticks(x, [f"{b:g}" for b in budgets])
     ax.set(
         xlabel="budget (live ratio)",
         ylabel="max concurrent requests, no preemption",
-        title=f"{result['pool_blocks']}-block KV pool",
+        title=f"{result['pool_blocks']}-block KV pool, {result['prompt_tokens']}-token prompts",
     )
-    ax.legend()
+    ax.legend(fontsize=8)

@@ -69,6 +69,8 @@ class Engine:
         self.cfg = {**(vtoken or {}), "mode": mode}
         if mode == "off":
             self.cfg = {"mode": "off"}
+            if (vtoken or {}).get("prefill_chunk"):  # stock vLLM reads prompts in the same chunks
+                kw.update(enable_chunked_prefill=True, long_prefill_token_threshold=vtoken["prefill_chunk"])
         self.kw = dict(
             dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len, block_size=block_size, **kw
         )
