@@ -2,8 +2,9 @@
 each rank holds one KV head of every block, the scheduler decides once and every rank moves its own slice.
 
 CPU: vLLM's CPU backend runs TP=2 with one OpenMP thread bound per rank. Engine starts are the cost here:
-the TP=1 runs are test_vllm_engine's own (cached for the session, so shared when both modules run), and
-one TP=2 vtoken engine serves the mixed-policy comparison, then (switched over RPC) the one-rank-scores
+the TP=1 runs are test_prefill_evict's own (prompts read in chunks, eviction between chunks and while
+decoding; cached for the session, so shared when both modules run), and one TP=2 vtoken engine serves the
+mixed-policy comparison, then (switched over RPC) the one-rank-scores
 negative control, then the injected rank failure that must stop it.
 """
 
@@ -24,7 +25,8 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from test_vllm_engine import EVICT, MIXED, POLICIES, engine, mixed  # noqa: E402 - shared TP=1 runs
+from test_prefill_evict import EVICT, OPTIONS, chunked  # noqa: E402 - shared TP=1 runs (eviction between chunks)
+from test_vllm_engine import POLICIES, engine  # noqa: E402
 
 from vtoken.models import model_path  # noqa: E402
 from vtoken.vllm_adapter import VTokenConfig, engine_kwargs  # noqa: E402
@@ -122,14 +124,14 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
         pytest.skip(f"TP={tp} on CUDA needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
     if tp > len(_cpus()):
         pytest.skip(f"TP={tp} needs {tp} CPUs, this machine allows {len(_cpus())}")
-    one = engine(None) if mode == "off" else mixed()
+    one = engine(None) if mode == "off" else chunked()
     max_tokens = len(one.tokens[0])
     if mode == "off":  # stock vLLM has no trace; its prompts are test_vllm_engine's, in order
         from vllm_harness import prompts
 
         requests = [(p, None) for p in prompts(3, lengths=(70, 130, 45, 100))]
     else:
-        requests = [(t["prompt_token_ids"], o) for t, o in zip(one.trace, MIXED)]
+        requests = [(t["prompt_token_ids"], o) for t, o in zip(one.trace, OPTIONS)]
     tmp = Path(tempfile.mkdtemp(prefix=f"vtoken-tp{tp}-"))
     trace = tmp / "trace.jsonl"
     cfg = {"mode": "off"} if mode == "off" else {"mode": mode, "policy": "h2o", **EVICT, "trace_path": str(trace)}
@@ -216,18 +218,19 @@ def test_off_at_tp2_equals_tp1():
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_vtoken_at_tp2_makes_tp1s_decisions_and_tokens(policy):
-    one, two = part(mixed(), policy), part(session("vtoken", controls=True).rounds["main"], policy)
+    one, two = part(chunked(), policy), part(session("vtoken", controls=True).rounds["main"], policy)
     assert all(len(e) > 20 for e in evicted(one)), "the comparison needs real evictions"
     ids = lambda r: [t["request_id"] for t in r.trace]  # noqa: E731 - seeds of random
     assert ids(two) == ids(one)
     assert evicted(two) == evicted(one)
-    assert [t["evicted_at_step"] for t in two.trace] == [t["evicted_at_step"] for t in one.trace]
+    assert [t["evicted_at_forward"] for t in two.trace] == [t["evicted_at_forward"] for t in one.trace]
+    assert [t["prefill_chunks"] for t in two.trace] == [t["prefill_chunks"] for t in one.trace]
     assert_same_tokens(one, two)
 
 
 @pytest.mark.timeout(900)
 def test_retained_blocks_match_tp1():
-    one, two = mixed().stats, session("vtoken", controls=True).stats
+    one, two = chunked().stats, session("vtoken", controls=True).stats
     keys = (
         "logical_tokens",
         "live_tokens",
@@ -264,7 +267,7 @@ def test_scores_from_one_rank_change_h2os_decisions():
     """Negative control: without the all-reduce, rank 0 decides from its own heads only."""
     control = session("vtoken", controls=True).rounds["rank0_scores"]
     assert len(control.trace) == 3
-    assert evicted(control) != evicted(part(mixed(), "h2o"))
+    assert evicted(control) != evicted(part(chunked(), "h2o"))
 
 
 @pytest.mark.timeout(900)
@@ -272,7 +275,7 @@ def test_exchange_cost_is_counted_on_every_rank():
     ranks = session("vtoken", controls=True).tp_stats
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
     for r in ranks:
-        assert r["score_steps"] >= len(mixed().tokens[0]) - 1 and r["score_bytes_per_step"] > 0
+        assert r["score_steps"] >= len(chunked().tokens[0]) - 1 and r["score_bytes_per_step"] > 0
         assert r["check_steps"] > 0
     assert ranks[0]["score_bytes"] == ranks[1]["score_bytes"]
 
