@@ -48,6 +48,10 @@ class Chunk(NamedTuple):
     error: str = ""
 
 
+# What vLLM's AsyncLLM yields last for a request aborted by ``AsyncLLM.abort`` (the fake does the same).
+ABORTED = Chunk(finished=True, finish_reason="abort")
+
+
 class Engine(ABC):
     """Hosts requests. Invariant: once ``generate`` returns or is cancelled, or ``abort`` is called,
     the request holds no blocks (``stats()['free_blocks']`` goes back up at once). ``stats()['admitted']``
@@ -97,23 +101,31 @@ class FakeEngine(Engine):
                 self.waiting.add(rid)
                 await self._cv.wait_for(lambda: self._free() >= need or rid in self.aborted)
                 self.waiting.discard(rid)
-                if rid in self.aborted:
-                    return
-                self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
+                admitted = rid not in self.aborted
+                if admitted:
+                    self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
+            if not admitted:
+                yield ABORTED
+                return
             for i in range(max_tokens):
                 await asyncio.sleep(self.delay)
                 if rid in self.aborted:
+                    await self._release(rid)  # the blocks are free before the caller hears of the abort
+                    yield ABORTED
                     return
                 self.live[rid] += 1
                 last = i == max_tokens - 1
                 yield Chunk(f" t{i % 97}", (i % 97,), last, "length" if last else "")
         finally:
-            async with self._cv:
-                self.waiting.discard(rid)
-                self.aborted.discard(rid)
-                self.freed += self.held.pop(rid, 0)
-                self.live.pop(rid, None)
-                self._cv.notify_all()
+            await self._release(rid)
+
+    async def _release(self, rid: str) -> None:
+        async with self._cv:
+            self.waiting.discard(rid)
+            self.aborted.discard(rid)
+            self.freed += self.held.pop(rid, 0)
+            self.live.pop(rid, None)
+            self._cv.notify_all()
 
     async def abort(self, request_id: str) -> None:
         async with self._cv:

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -116,25 +117,28 @@ class Gateway:
             req = validate(parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars)
         except BadRequest as e:
             await context.abort(Code.INVALID_ARGUMENT, str(e))
+        # The engine, the replica and the controller know a request by this id only: clients may reuse theirs
+        # (or send the same one on several streams), and cancelling one stream must not touch another.
+        rid = uuid.uuid4().hex
         self.inflight += 1
         try:
-            async for msg in self._serve(req, context):
+            async for msg in self._serve(req, rid, context):
                 yield msg
         finally:
             self.inflight -= 1
-            self.controller.finished.remote(req.request_id)  # release the promise whatever happened
+            self.controller.finished.remote(rid)  # release the promise whatever happened
 
-    async def _serve(self, req, context) -> AsyncIterator[pb.GenerateResponse]:
+    async def _serve(self, req, rid: str, context) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
         limits = [t for t in (context.time_remaining(), req.deadline_s) if t is not None]
         deadline = loop.time() + min(limits) if limits else None
         need = estimate_blocks(
             len(req.prompt_token_ids), req.sampling.max_tokens, self.cfg.engine.block_size, *(self._budget or ())
         )
-        spec = GenerateSpec(req.request_id, req.prompt_token_ids, _vllm_sampling(req.sampling))
+        spec = GenerateSpec(rid, req.prompt_token_ids, _vllm_sampling(req.sampling))
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
-            placed = await self._place(req.request_id, need, tried, deadline)
+            placed = await self._place(rid, need, tried, deadline)
             if placed is None:
                 await context.abort(Code.UNAVAILABLE, "no live replica could take the request")
             name, replica = placed
@@ -148,9 +152,21 @@ class Gateway:
                         chunk = await asyncio.wait_for(_next(stream), timeout)
                     except TimeoutError:
                         await context.abort(Code.DEADLINE_EXCEEDED, "deadline exceeded")
-                    if chunk is None:
+                    aborted = chunk is None or (chunk.finished and chunk.finish_reason == "abort")
+                    if aborted:  # the server ended it (drain, engine restart), not the client: never OK
                         done = True
-                        return
+                        if not streamed:
+                            break  # nothing sent yet: place it again
+                        log.warning(
+                            "request %s (client id %r) aborted on %s after %d chunks",
+                            rid,
+                            req.request_id,
+                            name,
+                            streamed,
+                        )
+                        await context.abort(
+                            Code.UNAVAILABLE, f"request {req.request_id} was aborted by replica {name}; retry it"
+                        )
                     if chunk.error:
                         done = True
                         if chunk.error.startswith("unavailable") and not streamed:
@@ -174,11 +190,11 @@ class Gateway:
                 self.controller.mark_failed.remote(name, f"{type(e).__name__} during a request")
                 if streamed:
                     await context.abort(Code.UNAVAILABLE, f"replica {name} died mid-stream; retry the request")
-                log.warning("replica %s died before request %s started; placing it again", name, req.request_id)
+                log.warning("replica %s died before request %s started; placing it again", name, rid)
             finally:
                 if not done:  # cancelled, deadline, or the client went away: free its blocks now
                     ray.cancel(stream)
-                    replica.abort.remote(req.request_id)
+                    replica.abort.remote(rid)
         await context.abort(Code.UNAVAILABLE, f"request failed on {len(tried)} replicas: {', '.join(tried)}")
 
     async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None):

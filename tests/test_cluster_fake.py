@@ -81,6 +81,39 @@ def test_overload_is_bounded(served):
     assert results.count("OK") >= 6
 
 
+def test_streams_sharing_a_client_request_id_are_independent(served):
+    """Four streams with the same client request_id: cancelling one leaves the others whole. The gateway keys
+    engine requests and promises by an id of its own and keeps the client's id in the responses."""
+    s = stub(served.port)
+    req = pb.GenerateRequest(request_id="same", prompt="hi", sampling=pb.SamplingParams(max_tokens=40))
+    calls = [s.Generate(req, timeout=60) for _ in range(4)]
+    firsts = [next(c) for c in calls]
+    calls[0].cancel()
+    for c, first in zip(calls[1:], firsts[1:]):
+        msgs = [first, *c]
+        assert sum(len(m.token_ids) for m in msgs) == 40 and msgs[-1].finish_reason == "length"
+        assert {m.request_id for m in msgs} == {"same"}
+    wait_for(lambda: status(s)["totals"]["free_blocks"] == 32, 10, what="blocks back")
+
+
+def test_a_stream_the_server_aborts_ends_in_an_error_not_ok():
+    """A drain that runs out of time aborts the requests in flight: their streams end UNAVAILABLE, never OK
+    with a truncated completion (vLLM's finish_reason "abort")."""
+    import ray
+
+    ensure_ray()
+    with BackgroundServer(config("fake-abort", replicas=1)) as s:
+        st = stub(s.port)
+        call = st.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=400)), timeout=60)
+        got = [next(call), next(call)]
+        replica = ray.get_actor(status(st)["replicas"][0]["name"])
+        ray.get(replica.drain.remote(0.1), timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            got.extend(call)
+        assert e.value.code() == Code.UNAVAILABLE and "abort" in e.value.details(), e.value.details()
+        assert len(got) < 400
+
+
 def test_cancel_and_deadline_free_blocks(served):
     s = stub(served.port)
     call = s.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=500)))
