@@ -183,7 +183,7 @@ async def _serve_async(cfg, args) -> int:
                 os.replace(args.port_file + ".tmp", args.port_file)
             await stop.wait()
             print("vtoken: shutting down: draining replicas", flush=True)
-        free = [f"{r['name']} {r.get('free_blocks')}/{r.get('total_blocks')}" for r in s.final_reports]
+        free = [f"{r.name} {r.pool.free_blocks}/{r.pool.total_blocks}" for r in s.final_reports]
         print(f"vtoken: stopped; free blocks after drain: {', '.join(free)}", flush=True)
     finally:
         if local:

@@ -66,6 +66,12 @@ class PlacementConfig(_Strict):
         "serving but its figures are only trusted with what was placed since",
     )
     dead_after_s: float = Field(6.0, gt=0, description="no report for this long: the replica is marked dead")
+    promise_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="a placed request's blocks count against its replica until a report counts them or the "
+        "request ends; a promise whose end never arrives (a gateway gone) is dropped after this long",
+    )
 
     @field_validator("strategy")
     @classmethod

@@ -23,7 +23,7 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from actors.engines import GenerateSpec
+from actors.engines import Chunk, GenerateSpec
 from cluster.config import ServeConfig
 from cluster.placement import estimate_blocks
 from cluster.proto import vtoken_pb2 as pb
@@ -124,6 +124,11 @@ class Gateway:
         try:
             async for msg in self._serve(req, rid, context):
                 yield msg
+        except grpc.aio.AbortError:  # context.abort: the status is set
+            raise
+        except Exception:  # a bug or a Ray failure: the traceback goes to the log, never to the client
+            log.exception("request %s (client id %r) failed", rid, req.request_id)
+            await context.abort(Code.INTERNAL, internal_message(req.request_id, rid))
         finally:
             self.inflight -= 1
             self.controller.finished.remote(rid)  # release the promise whatever happened
@@ -152,26 +157,18 @@ class Gateway:
                         chunk = await asyncio.wait_for(_next(stream), timeout)
                     except TimeoutError:
                         await context.abort(Code.DEADLINE_EXCEEDED, "deadline exceeded")
-                    aborted = chunk is None or (chunk.finished and chunk.finish_reason == "abort")
-                    if aborted:  # the server ended it (drain, engine restart), not the client: never OK
-                        done = True
-                        if not streamed:
-                            break  # nothing sent yet: place it again
-                        log.warning(
-                            "request %s (client id %r) aborted on %s after %d chunks",
-                            rid,
-                            req.request_id,
-                            name,
-                            streamed,
-                        )
-                        await context.abort(
-                            Code.UNAVAILABLE, f"request {req.request_id} was aborted by replica {name}; retry it"
-                        )
-                    if chunk.error:
-                        done = True
-                        if chunk.error.startswith("unavailable") and not streamed:
-                            break  # draining or restarting: place it again
-                        await context.abort(Code.INVALID_ARGUMENT, chunk.error)
+                    if chunk is None or chunk.error or chunk.finish_reason == "abort":
+                        done = True  # the server ended it (failure, drain, engine restart), not the client
+                        code, why = failure(chunk, name)
+                        if code == Code.UNAVAILABLE and not streamed:
+                            log.info("request %s: %s before its first token; placing it again", rid, why)
+                            break
+                        if code == Code.INTERNAL:
+                            log.error("request %s (client id %r): %s", rid, req.request_id, why)
+                            why = internal_message(req.request_id, rid)
+                        elif code == Code.UNAVAILABLE:
+                            why = f"{why} after {streamed} chunks; retry the request"
+                        await context.abort(code, why)
                     streamed += 1
                     done = chunk.finished
                     yield pb.GenerateResponse(
@@ -210,6 +207,23 @@ class Gateway:
             if placed is not None or loop.time() >= t_end:
                 return placed
             await asyncio.sleep(0.2)
+
+
+# Chunk.code (actors.engines.ERROR_CODES) -> what the client gets.
+GRPC_CODES = {"invalid_argument": Code.INVALID_ARGUMENT, "unavailable": Code.UNAVAILABLE, "internal": Code.INTERNAL}
+
+
+def failure(chunk: Chunk | None, replica: str) -> tuple[grpc.StatusCode, str]:
+    """How a stream ends for the client when the server ended it: a failed request's code and one-line
+    reason; a request the replica aborted (vLLM's finish_reason "abort", or a stream that stopped before its
+    finished chunk) is UNAVAILABLE: never OK, the client did not ask for it."""
+    if chunk is None or (chunk.finish_reason == "abort" and not chunk.error):
+        return Code.UNAVAILABLE, f"the request was aborted by replica {replica}"
+    return GRPC_CODES.get(chunk.code, Code.INTERNAL), chunk.error
+
+
+def internal_message(client_id: str, rid: str) -> str:
+    return f"internal error serving request {client_id!r} (server id {rid}); the server log has the details"
 
 
 async def _next(stream):

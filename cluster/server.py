@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from actors.report import ReplicaReport
 from cluster.config import ServeConfig
 from cluster.controller import REPLICA_ENV, Controller
 from cluster.gateway import Gateway
@@ -49,7 +50,7 @@ class Served:
     port: int
     controller: Any
     gateway: Gateway
-    final_reports: list[dict[str, Any]] = field(default_factory=list)
+    final_reports: list[ReplicaReport] = field(default_factory=list)
 
 
 @contextlib.asynccontextmanager

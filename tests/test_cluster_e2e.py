@@ -47,7 +47,7 @@ def served():
             json.dump(RESULTS, f, indent=2, default=str)
     assert len(s.final_reports) == 2
     for r in s.final_reports:  # after the drain every pool has all its blocks free
-        assert r["free_blocks"] == r["total_blocks"] > 0 and r["running"] == 0, r
+        assert r.pool.free_blocks == r.pool.total_blocks > 0 and r.pool.running == 0, r
 
 
 def test_streams_prompt_and_chat_over_grpc(served):
@@ -169,5 +169,80 @@ def test_replica_killed_mid_load_loses_no_request_and_is_replaced(served):
     RESULTS["controller_recovery_s"] = status(s)["last_recovery_s"]
     print("recovery", RESULTS)
     assert RESULTS["controller_recovery_s"] > 0
+    outs = [generate(s, max_tokens=3) for _ in range(4)]
+    assert all(o[-1].finished for o in outs)
+
+
+def test_engine_validation_error_is_invalid_argument_without_internals(served):
+    """vLLM refuses ``stop: [""]`` with its own VLLMValidationError (not a ValueError): the client gets
+    INVALID_ARGUMENT with vLLM's one-line message, no Ray traceback, pid, address or path."""
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub(served.port), max_tokens=4, stop=[""])
+    details = e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), details)
+    assert "stop" in details and "\n" not in details, details
+    for leak in ("Traceback", 'File "', "pid=", "ip=", "actor", "ray::"):
+        assert leak not in details, details
+    assert generate(stub(served.port), max_tokens=2)[-1].finished
+
+
+def _engine_core_processes(replica: str):
+    """The EngineCore child processes of a replica's Ray worker (the replica's pid starts its incarnation)."""
+    import psutil
+    import ray
+
+    pid = int(ray.get(ray.get_actor(replica).ping.remote(), timeout=30)["incarnation"].split("-")[0])
+    return [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in p.name() + " ".join(p.cmdline())]
+
+
+def test_dead_engine_is_restarted_and_unstarted_requests_are_retried(served):
+    """SIGKILL of a replica's EngineCore child (the Ray worker stays alive): requests that streamed nothing yet
+    are placed again and complete, streams under way end UNAVAILABLE (never UNKNOWN), and the replica serves
+    again with a new engine."""
+    s = stub(served.port)
+    outcomes: list[tuple[str, int, str]] = []
+
+    def one(i):
+        tokens = 0
+        try:
+            for m in s.Generate(
+                pb.GenerateRequest(
+                    prompt=f"request {i} " * 30, sampling=pb.SamplingParams(max_tokens=120, ignore_eos=True)
+                ),
+                timeout=240,
+            ):
+                tokens += len(m.token_ids)
+            outcomes.append(("OK", tokens, ""))
+        except grpc.RpcError as e:
+            outcomes.append((e.code().name, tokens, e.details()))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    victim = wait_for(
+        lambda: next((r["name"] for r in status(s)["replicas"] if r["running"] > 0), None), 60, what="a busy replica"
+    )
+    cores = _engine_core_processes(victim)
+    assert cores, "no EngineCore child process found"
+    for p in cores:
+        p.kill()
+    t_kill = time.monotonic()
+    late = [threading.Thread(target=one, args=(200 + i,)) for i in range(4)]  # arrive while its engine is dead
+    [t.start() for t in late]
+    for t in threads + late:
+        t.join(300)
+    assert len(outcomes) == 8, "a request hung"
+    for code, tokens, details in outcomes:  # UNAVAILABLE only for streams already under way
+        assert code == "OK" or (code == "UNAVAILABLE" and tokens > 0), outcomes
+        assert "Traceback" not in details
+    wait_for(
+        lambda: all(r["state"] == "healthy" for r in status(s)["replicas"]) and len(status(s)["replicas"]) == 2,
+        240,
+        0.5,
+        what="the replica serving again with a new engine",
+    )
+    RESULTS["engine_kill_to_serving_s"] = time.monotonic() - t_kill
+    assert _engine_core_processes(victim), "the replica has no engine"
     outs = [generate(s, max_tokens=3) for _ in range(4)]
     assert all(o[-1].finished for o in outs)

@@ -22,7 +22,7 @@ def served():
     ensure_ray()
     with BackgroundServer(config("fake", gateway={"max_inflight": 6, "max_request_bytes": 4096})) as s:
         yield s
-    assert s.final_reports and all(r["free_blocks"] == r["total_blocks"] for r in s.final_reports)
+    assert s.final_reports and all(r.pool.free_blocks == r.pool.total_blocks for r in s.final_reports)
 
 
 def test_streams_and_reports(served):
@@ -201,7 +201,7 @@ def test_live_scale_out_then_in_by_free_capacity():
         )
         assert any("scale in" in d["reason"] for d in shrunk["decisions"])
         assert generate(st, max_tokens=3)[-1].finished
-    assert all(r["free_blocks"] == r["total_blocks"] for r in s.final_reports)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in s.final_reports)
 
 
 def test_manual_scale(served):
