@@ -61,7 +61,12 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
     if e.kind == "fake":
         return EngineFactory(
             "fake",
-            {"total_blocks": e.fake_total_blocks, "block_size": e.block_size, "token_delay_s": e.fake_token_delay_s},
+            {
+                "total_blocks": e.fake_total_blocks,
+                "block_size": e.block_size,
+                "token_delay_s": e.fake_token_delay_s,
+                "start_s": e.fake_start_s,
+            },
         )
     args = {
         "dtype": e.dtype,
@@ -257,10 +262,21 @@ class Controller:
     # ------------------------------------------------------------------ scaling
     def _limit(self) -> int:
         """Replicas this deployment can hold: on one machine, what its CPUs allow."""
-        if not self.local or self.cfg.replica.num_cpus <= 0:
-            return self.cfg.autoscaling.max_replicas
-        cpus = ray.cluster_resources().get("CPU", 1)
-        return max(1, math.floor(cpus / self.cfg.replica.num_cpus))
+        return self.replica_limit()[0]
+
+    def replica_limit(self) -> tuple[int, str]:
+        """The most replicas this deployment may run, and what sets that limit (for error messages)."""
+        most = self.cfg.autoscaling.max_replicas
+        limit = (most, f"autoscaling.max_replicas is {most}")
+        if self.local and self.cfg.replica.num_cpus > 0:
+            cpus = ray.cluster_resources().get("CPU", 1)
+            fit = max(1, math.floor(cpus / self.cfg.replica.num_cpus))
+            if fit < most:
+                limit = (
+                    fit,
+                    f"this machine's {cpus:g} CPUs hold {fit} of replica.num_cpus {self.cfg.replica.num_cpus:g}",
+                )
+        return limit
 
     def _autoscale(self, now: float) -> None:
         d = self.autoscaler.decide(now, self._views(), self.target, self._limit())
@@ -276,8 +292,10 @@ class Controller:
             request_cluster_resources(n, self.cfg.replica.num_cpus, self.cfg.replica.num_gpus)
 
     async def scale(self, n: int) -> int:
-        if n < 1:
-            raise ValueError("replicas must be >= 1")
+        """Set the target; raises ValueError outside [1, replica_limit()] (the gateway checks first)."""
+        limit, why = self.replica_limit()
+        if not 1 <= n <= limit:
+            raise ValueError(f"replicas must be between 1 and {limit} ({why})")
         self.decisions.append(
             {"time": time.time(), "from_replicas": self.target, "to_replicas": n, "reason": "manual (vtoken scale)"}
         )

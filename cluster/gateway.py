@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from actors.engines import Chunk, GenerateSpec
-from cluster.config import ServeConfig
+from cluster.config import ConfigError, ServeConfig
 from cluster.placement import estimate_blocks
 from cluster.proto import vtoken_pb2 as pb
 from cluster.requests import BadRequest, Tokenizer, parse, validate
@@ -46,13 +47,19 @@ class Gateway:
 
     # ------------------------------------------------------------------ server
     async def start(self) -> int:
-        """Bind and serve; returns the port (``port: 0`` picks a free one)."""
+        """Bind and serve; returns the port (``port: 0`` picks a free one). Raises PortInUse."""
         token = os.environ.get(self.g.auth_token_env) if self.g.auth_token_env else None
         if self.g.auth_token_env and not token:
-            raise ValueError(f"auth_token_env is {self.g.auth_token_env} but that variable is not set")
+            raise ConfigError(f"gateway.auth_token_env: the environment variable {self.g.auth_token_env} is not set")
+        open_methods = () if self.g.health_requires_auth else (HEALTH_PREFIX,)
         self.server = grpc.aio.server(
-            interceptors=[BearerAuth(token)] if token else [],
-            options=[("grpc.max_receive_message_length", self.g.max_request_bytes)],
+            interceptors=[BearerAuth(token, open_methods)] if token else [],
+            options=[
+                ("grpc.max_receive_message_length", self.g.max_request_bytes),
+                # gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and share the
+                # connections with whatever holds it. A busy port must be an error instead.
+                ("grpc.so_reuseport", 0),
+            ],
         )
         self.server.add_generic_rpc_handlers(
             (
@@ -81,13 +88,15 @@ class Gateway:
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server
         )
         addr = f"{self.g.host}:{self.g.port}"
+        creds = None
         if self.g.tls_cert:
             creds = grpc.ssl_server_credentials(
                 [(Path(self.g.tls_key).read_bytes(), Path(self.g.tls_cert).read_bytes())]
             )
-            port = self.server.add_secure_port(addr, creds)
-        else:
-            port = self.server.add_insecure_port(addr)
+        try:
+            port = self.server.add_secure_port(addr, creds) if self.g.tls_cert else self.server.add_insecure_port(addr)
+        except RuntimeError:  # gRPC's "Failed to bind to address"
+            raise PortInUse(self.g.host, self.g.port) from None
         await self.server.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -103,8 +112,9 @@ class Gateway:
         return to_proto(await self.controller.status.remote())
 
     async def scale(self, request, context) -> pb.ScaleResponse:
-        if request.replicas < 1:
-            await context.abort(Code.INVALID_ARGUMENT, "replicas must be >= 1")
+        limit, why = await self.controller.replica_limit.remote()
+        if not 1 <= request.replicas <= limit:
+            await context.abort(Code.INVALID_ARGUMENT, f"replicas must be between 1 and {limit} ({why})")
         return pb.ScaleResponse(target_replicas=await self.controller.scale.remote(request.replicas))
 
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
@@ -240,16 +250,49 @@ def _vllm_sampling(s) -> dict[str, Any]:
     return out
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Every call (health and reflection included) must carry ``authorization: Bearer <token>``."""
+class PortInUse(ValueError):
+    def __init__(self, host: str, port: int, why: str = "in use"):
+        super().__init__(
+            f"gateway.port: {host}:{port} is {why}; stop what holds it or choose another port (--port, 0 picks a "
+            "free one)"
+        )
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+
+def check_port(host: str, port: int) -> None:
+    """Raise PortInUse now, before anything starts, if the gateway could not bind ``host:port`` (0: any)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"gateway.host: cannot resolve {host!r}: {e}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: a port in TIME_WAIT is free
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise PortInUse(host, port, e.strerror.lower() if e.strerror else "in use") from None
+
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer <token>`` (the scheme in any case, RFC 7235 2.1), except
+    the methods under ``open_prefixes`` (by default the health service: load-balancer probes send no token)."""
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = ()):
+        self.token, self.open = token.encode(), open_prefixes
+
+    def _allowed(self, details) -> bool:
+        if self.open and details.method.startswith(self.open):
+            return True
+        scheme, _, credentials = dict(details.invocation_metadata or ()).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), self.token)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if handler is None or hmac.compare_digest(got.encode(), self.expected):
+        if handler is None or self._allowed(details):
             return handler
 
         async def deny(request, context):

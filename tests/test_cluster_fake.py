@@ -4,7 +4,6 @@ deadlines, auth, health and reflection, manual and automatic scaling, drains tha
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -152,18 +151,26 @@ def test_health_and_reflection(served):
     assert "vtoken.v1.VToken" in {s.name for s in resp.list_services_response.service}
 
 
-def test_bearer_token_on_every_call(monkeypatch):
+def test_bearer_token_on_every_call_but_health(monkeypatch):
+    """Every call needs the token, the scheme in any case (RFC 7235); health checks are open by default
+    (load-balancer probes cannot send a token)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     ensure_ray()
     monkeypatch.setenv("VTOKEN_TEST_TOKEN", "s3cret")
     with BackgroundServer(config("fake-auth", replicas=1, gateway={"auth_token_env": "VTOKEN_TEST_TOKEN"})) as s:
-        for md in ((), (("authorization", "Bearer wrong"),)):
+        for md in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
             with pytest.raises(grpc.RpcError) as e:
                 generate(stub(s.port), metadata=md)
             assert e.value.code() == Code.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as e:
                 status(stub(s.port), metadata=md)
             assert e.value.code() == Code.UNAUTHENTICATED
-        assert generate(stub(s.port), metadata=(("authorization", "Bearer s3cret"),))[-1].finished
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert generate(stub(s.port), metadata=(("authorization", f"{scheme} s3cret"),))[-1].finished
+        ch = grpc.insecure_channel(f"127.0.0.1:{s.port}")
+        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_live_scale_out_then_in_by_free_capacity():
@@ -213,7 +220,14 @@ def test_manual_scale(served):
     with pytest.raises(grpc.RpcError) as e:
         s.Scale(pb.ScaleRequest(replicas=0), timeout=10)
     assert e.value.code() == Code.INVALID_ARGUMENT
-    time.sleep(0.1)
+    try:
+        with pytest.raises(grpc.RpcError) as e:  # bounded by autoscaling.max_replicas (4 by default)
+            s.Scale(pb.ScaleRequest(replicas=5), timeout=10)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "between 1 and 4" in e.value.details()
+        assert "autoscaling.max_replicas" in e.value.details()
+    finally:
+        s.Scale(pb.ScaleRequest(replicas=2), timeout=10)
+    assert status(s)["target_replicas"] == 2
 
 
 def test_killed_replica_loses_no_unstarted_request_and_serves_again(served):

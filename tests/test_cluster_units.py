@@ -28,13 +28,16 @@ def test_shipped_serve_configs_load():
 @pytest.mark.parametrize(
     "raw, needle",
     [
-        ({"model": "m", "replicas": 0}, "replicas"),
-        ({"model": "m", "placement": {"strategy": "fastest"}}, "unknown placement strategy 'fastest'"),
-        ({"model": "m", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3) > max_replicas"),
-        ({"model": "m", "gateway": {"host": "0.0.0.0"}}, "set tls_cert and tls_key, or allow_insecure_remote"),
-        ({"model": "m", "gateway": {"tls_cert": "c.pem"}}, "tls_cert and tls_key go together"),
-        ({"model": "m", "vtoken": {"policy": "nope"}}, "unknown eviction policy"),
-        ({"model": "m", "replicass": 2}, "replicass"),
+        ({"model": "tiny-llama", "replicas": 0}, "replicas"),
+        ({"model": "tiny-llama", "placement": {"strategy": "fastest"}}, "unknown placement strategy 'fastest'"),
+        (
+            {"model": "tiny-llama", "autoscaling": {"min_replicas": 3, "max_replicas": 2}},
+            "min_replicas (3) > max_replicas",
+        ),
+        ({"model": "tiny-llama", "gateway": {"host": "0.0.0.0"}}, "set tls_cert and tls_key, or allow_insecure_remote"),
+        ({"model": "tiny-llama", "gateway": {"tls_cert": "c.pem"}}, "tls_cert and tls_key go together"),
+        ({"model": "tiny-llama", "vtoken": {"policy": "nope"}}, "unknown eviction policy"),
+        ({"model": "tiny-llama", "replicass": 2}, "replicass"),
         ({"replicas": 2}, "model"),
     ],
 )
@@ -45,8 +48,36 @@ def test_bad_serve_config_is_a_clear_error(raw, needle):
 
 
 def test_remote_bind_with_explicit_opt_out_or_tls():
-    assert parse_config({"model": "m", "gateway": {"host": "0.0.0.0", "allow_insecure_remote": True}})
-    assert parse_config({"model": "m", "gateway": {"host": "10.1.2.3", "tls_cert": "c", "tls_key": "k"}})
+    assert parse_config({"model": "tiny-llama", "gateway": {"host": "0.0.0.0", "allow_insecure_remote": True}})
+    assert parse_config({"model": "tiny-llama", "gateway": {"host": "10.1.2.3", "tls_cert": "c", "tls_key": "k"}})
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"model": "tiny-llama", "vtoken": {"budget": float("inf")}}, "vtoken.budget: must be a finite number"),
+        ({"model": "tiny-llama", "vtoken": {"budget": float("nan")}}, "vtoken.budget: must be a finite number"),
+        ({"model": "tiny-llama", "vtoken": {"policy": "lru"}}, "vtoken.policy: unknown eviction policy"),
+        ({"model": "no-such-model"}, "model: 'no-such-model' is neither a model folder nor a known model; known: "),
+        ({"model": "tiny-llama", "replicas": 0}, "replicas: "),
+    ],
+)
+def test_config_errors_are_one_line_that_names_the_field(raw, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_yaml_infinity_in_the_vtoken_section_is_a_config_error(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: tiny-llama\nvtoken: {mode: vtoken, budget: .inf}\n")
+    with pytest.raises(ConfigError, match="vtoken.budget: must be a finite number, got inf"):
+        load_config(path)
+
+
+def test_a_known_model_needs_no_folder_here_and_a_fake_engine_no_model():
+    assert parse_config({"model": "smollm2-135m"}).model == "smollm2-135m"
+    assert parse_config({"model": "anything", "engine": {"kind": "fake"}})
 
 
 # ------------------------------------------------------------------------------ placement
@@ -346,3 +377,43 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
     assert len(ctl.promises) <= 450, len(ctl.promises)
     assert len(ctl.recoveries) <= 100 and len(ctl.decisions) <= 50 and not ctl._tasks
     assert grown < 50_000, f"the controller's allocations grew {grown} bytes over 6,000 requests"
+
+
+@pytest.mark.parametrize(
+    "method, metadata, open_health, allowed",
+    [
+        ("/vtoken.v1.VToken/Generate", (("authorization", "Bearer s3cret"),), True, True),
+        ("/vtoken.v1.VToken/Generate", (("authorization", "bearer s3cret"),), True, True),
+        ("/vtoken.v1.VToken/Generate", (("authorization", "bEaReR  s3cret "),), True, True),
+        ("/vtoken.v1.VToken/Generate", (("authorization", "Basic s3cret"),), True, False),
+        ("/vtoken.v1.VToken/Generate", (("authorization", "Bearer s3cret2"),), True, False),
+        ("/vtoken.v1.VToken/Generate", (), True, False),
+        ("/grpc.health.v1.Health/Check", (), True, True),
+        ("/grpc.health.v1.Health/Check", (), False, False),  # gateway.health_requires_auth: true
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), True, False),
+    ],
+)
+def test_bearer_auth_scheme_in_any_case_and_open_health_checks(method, metadata, open_health, allowed):
+    import asyncio
+    from collections import namedtuple
+
+    import grpc
+
+    from cluster.gateway import HEALTH_PREFIX, BearerAuth
+
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    async def continuation(details):
+        return handler
+
+    details = namedtuple("Details", "method invocation_metadata")(method, metadata)
+    auth = BearerAuth("s3cret", (HEALTH_PREFIX,) if open_health else ())
+    got = asyncio.run(auth.intercept_service(continuation, details))
+    assert (got is handler) == allowed
+
+
+def test_health_requires_auth_is_a_documented_gateway_field():
+    from cluster.config import GatewayConfig
+
+    assert GatewayConfig().health_requires_auth is False
+    assert "probes" in GatewayConfig.model_fields["health_requires_auth"].description
