@@ -30,8 +30,10 @@ from typing import Any
 
 from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec
 from actors.report import ReplicaReport, empty_pool
+from vtoken.vllm_adapter.messages import PoolReport
 
 log = logging.getLogger("vtoken.replica")
+REPORT_TIMEOUT_S = 60.0  # an engine step can hold a report back; a pool report that takes longer is a fault
 
 
 def _incarnation() -> str:
@@ -155,9 +157,7 @@ class Replica:
         engine, pool = self.engine, empty_pool()
         if engine is not None:
             try:
-                if engine.errored:
-                    raise EngineDead("the engine stopped")
-                pool = await engine.pool_report()
+                pool = await self._pool_report(engine)
             except EngineDead as e:
                 self._engine_died(engine, str(e))
                 engine = None
@@ -171,6 +171,25 @@ class Replica:
             pool,
             self.error,
         )
+
+    async def _pool_report(self, engine: Engine) -> PoolReport:
+        """``engine.pool_report()``, watching the engine meanwhile: a utility call that was under way when
+        vLLM's EngineCore died is never answered, and waiting for it would stop the reports for good."""
+        if engine.errored:
+            raise EngineDead("the engine stopped")
+        call = asyncio.ensure_future(engine.pool_report())
+        t_end = time.monotonic() + REPORT_TIMEOUT_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self.poll_s)
+                if done:
+                    return call.result()
+                if engine.errored:
+                    raise EngineDead("the engine stopped while reporting")
+                if time.monotonic() > t_end:
+                    raise TimeoutError(f"the engine did not report within {REPORT_TIMEOUT_S:.0f}s")
+        finally:
+            call.cancel()
 
     def _changed(self, r: ReplicaReport) -> bool:
         last = self._last

@@ -54,6 +54,7 @@ class ReplicaState:
     task: asyncio.Task | None = None
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
     error: str = ""  # why it failed to start
+    restarted: str = ""  # the incarnation whose process was restarted because its engine died
 
 
 def engine_factory(cfg: ServeConfig) -> EngineFactory:
@@ -211,18 +212,23 @@ class Controller:
                 self.recoveries.append(time.monotonic() - st.died_at)
                 log.info("replica %s serving again %.1fs after its death", name, self.recoveries[-1])
                 st.died_at = None
-        elif st.state == "healthy" and not r.healthy:  # the process is alive but its engine died
+        elif not r.healthy and st.state in ("healthy", "dead") and st.restarted != r.incarnation:
+            # The process is alive but its engine died (it may have been marked dead already for reports
+            # that stopped while its engine went down): restart the process, once per incarnation.
             log.warning("replica %s is not serving (%s); restarting its process", name, r.error or "no engine")
-            st.state, st.died_at = "dead", time.monotonic()
+            st.state, st.died_at = "dead", st.died_at or time.monotonic()
             self._void_promises(name)
+            st.restarted = r.incarnation
             self._restart_process(st)
 
     def _restart_process(self, st: ReplicaState) -> None:
         """A fresh process and engine for a replica whose engine died: Ray restarts the killed actor
-        (``max_restarts``; if exhausted, ``_start_replica`` replaces it) and ``_start_replica`` starts it."""
+        (``max_restarts``; if exhausted, ``_start_replica`` replaces it) and ``_start_replica`` starts it,
+        waiting past the dying incarnation."""
         ray.kill(st.handle, no_restart=False)
-        if st.task is None or st.task.done():
-            st.task = asyncio.ensure_future(self._start_replica(st, dead=st.report.incarnation))
+        if st.task is not None and not st.task.done():
+            st.task.cancel()  # a start that may take the dying process for a started one
+        st.task = asyncio.ensure_future(self._start_replica(st, dead=st.report.incarnation))
 
     def _void_promises(self, name: str) -> None:
         self.promises = {k: p for k, p in self.promises.items() if p.replica != name}

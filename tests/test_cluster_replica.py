@@ -39,6 +39,17 @@ class StubController:
         self.report = _Remote(lambda name, r: self.reports.append(r))
 
 
+class Unanswered(FakeEngine):
+    """A pool report under way when vLLM's EngineCore dies is never answered."""
+
+    hang = False
+
+    async def pool_report(self):
+        if self.hang:
+            await asyncio.Event().wait()
+        return await super().pool_report()
+
+
 class Broken(FakeEngine):
     async def generate(self, spec):
         raise RuntimeError("boom in /srv/secret/path.py at 10.0.0.7")
@@ -83,10 +94,10 @@ def test_a_dead_engine_is_logged_once_and_reported_so_the_controller_restarts_th
     it again if nothing streamed), new ones are refused the same way, every report from then on says unhealthy
     with the reason (the controller stops placing there and restarts the process), and the death is logged
     once however many report polls meet it."""
-    built: list[FakeEngine] = []
+    built: list[Unanswered] = []
 
     def factory():
-        built.append(FakeEngine(total_blocks=8, token_delay_s=0.01))
+        built.append(Unanswered(total_blocks=8, token_delay_s=0.01))
         return built[-1]
 
     async def go():
@@ -95,6 +106,8 @@ def test_a_dead_engine_is_logged_once_and_reported_so_the_controller_restarts_th
         await r.start()
         stream = r.generate(GenerateSpec("a", [1] * 10, {"max_tokens": 200}))
         got = [await anext(stream), await anext(stream)]
+        built[0].hang = True
+        await asyncio.sleep(0.05)  # the report loop waits for an answer that will never come
         built[0].die()
         got += [c async for c in stream]
         refused = await _collect(r, GenerateSpec("b", [1], {"max_tokens": 2}))
@@ -133,8 +146,12 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
         assert ctl.replicas["a"].state == "dead" and "q" not in ctl.promises and restarted == ["a"]
         await ctl.report("a", _report("a", healthy=False, free=0, error="engine died: x"))  # a late report
         assert restarted == ["a"]
-        assert (await ctl.place("p", 4))[0] == "b"
         await ctl.report("a", _report("a", incarnation="i2", free=64))
+        ctl.replicas["a"].state = "dead"  # no report for dead_after_s while its engine went down
+        await ctl.report("a", _report("a", incarnation="i2", healthy=False, error="engine died: y"))
+        assert restarted == ["a", "a"] and ctl.replicas["a"].state == "dead"
+        assert (await ctl.place("p", 4))[0] == "b"
+        await ctl.report("a", _report("a", incarnation="i3", free=64))
         assert ctl.replicas["a"].state == "healthy" and ctl.recoveries
 
     asyncio.run(go())
