@@ -6,9 +6,9 @@
 Two measurements, each per report (median and p90 over ``--calls`` calls, the two kinds interleaved):
   * rpc: the call as a replica makes it, through AsyncLLM's utility RPC to its EngineCore process while the
     requests decode (includes waiting for the step under way, which both kinds pay alike);
-  * direct: the EngineCore-side function alone, in this process, between steps (no RPC, no step), and the size
-    of what it returns once serialised (msgpack, as the RPC carries it).
-``--finished`` first completes that many one-token requests, so vtoken_stats carries its (up to 1000)
+  * direct: the EngineCore-side function alone, in this process, between steps (no RPC, no step), the size of
+    what it returns once serialised (msgpack, as the RPC carries it) and the time to serialise and parse it.
+``--finished`` first completes that many four-token requests, so vtoken_stats carries its (up to 1000)
 finished-request records, as on a server that has run a while.
 """
 
@@ -44,7 +44,7 @@ def direct(args, folder: str, cfg) -> dict:
     """In-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0): time the two scheduler functions alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.v1.serial_utils import MsgpackEncoder
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from vtoken.vllm_adapter import open_llm
 
@@ -52,7 +52,7 @@ def direct(args, folder: str, cfg) -> dict:
         if args.finished:
             llm.generate(
                 [TokensPrompt(prompt_token_ids=[5 + i % 50] * 8) for i in range(args.finished)],
-                SamplingParams(max_tokens=1, ignore_eos=True),
+                SamplingParams(max_tokens=4, ignore_eos=True),
                 use_tqdm=False,
             )
         eng = llm.llm_engine
@@ -71,8 +71,19 @@ def direct(args, folder: str, cfg) -> dict:
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
+        enc, dec = MsgpackEncoder(), MsgpackDecoder()
         for name, fn in (("vtoken_stats", core.vtoken_stats), ("pool_report", core.vtoken_pool_report)):
-            out[name] = {**_summary(times[name]), "bytes": sum(len(b) for b in MsgpackEncoder().encode(fn()))}
+            payload, wire = fn(), []
+            for _ in range(args.calls):  # what the RPC adds: serialise in the EngineCore, parse in the replica
+                t0 = time.perf_counter()
+                frames = enc.encode(payload)
+                dec.decode(frames)
+                wire.append(time.perf_counter() - t0)
+            out[name] = {
+                **_summary(times[name]),
+                "bytes": sum(len(b) for b in frames),
+                "encode_decode": _summary(wire),
+            }
         for rid in [f"run-{i}" for i in range(args.running)]:
             eng.abort_request([rid])
     return out
@@ -95,7 +106,7 @@ async def rpc(args, folder: str, cfg) -> dict:
                 pass
 
         if args.finished:
-            await asyncio.gather(*(consume(10_000 + i, 8, 1) for i in range(args.finished)))
+            await asyncio.gather(*(consume(10_000 + i, 8, 4) for i in range(args.finished)))
         tasks = [asyncio.ensure_future(consume(i, args.prompt_tokens, args.max_tokens)) for i in range(args.running)]
         t_end = time.monotonic() + 300
         while (await pool_report_async(llm)).running < args.running:
