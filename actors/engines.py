@@ -3,35 +3,38 @@
 ``vllm`` is the real one: a vToken-enabled ``AsyncLLM``. ``fake`` is an in-process stand-in with the
 same block accounting (a pool of blocks, requests that hold ``ceil(tokens / block_size)`` of them),
 so controller, placement and gateway tests run in seconds without vLLM (Ray Serve LLM style).
+
+Errors cross to the gateway as data, never as exceptions with tracebacks: a request the engine refuses is a
+``Chunk`` with ``code`` ``invalid_argument`` and the engine's one-line reason. An engine that can serve no more
+(its process died) raises ``EngineDead``; the replica turns that into ``unavailable`` and restarts the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-# Figures a replica reports; engines fill what they know, the rest stay 0.
-REPORT_KEYS = (
-    "free_blocks",
-    "total_blocks",
-    "kv_cache_usage",
-    "running",
-    "waiting",
-    "live_tokens",
-    "blocks_reclaimed",
-    "blocks_freed",
-    "retained_blocks",
-)
+from actors.report import empty_pool
+from vtoken.vllm_adapter.messages import PoolReport
+
+# Chunk.code values and what the client sees: the gateway maps them to gRPC status codes.
+ERROR_CODES = ("invalid_argument", "unavailable", "internal")
+
+
+class EngineDead(RuntimeError):
+    """The engine can serve no more requests (its process died); only a new engine helps."""
 
 
 @dataclass(frozen=True)
 class GenerateSpec:
     """One request as it crosses from the gateway to a replica: token ids in, sampling as a plain dict
-    of ``vllm.SamplingParams`` fields (temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos)."""
+    of ``vllm.SamplingParams`` fields (temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos).
+    ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -39,19 +42,38 @@ class GenerateSpec:
 
 
 class Chunk(NamedTuple):
-    """A streamed delta; ``error`` is set (and nothing else) when the engine refused the request."""
+    """A streamed delta; ``error`` and ``code`` (one of ERROR_CODES) are set, and nothing else, when the
+    request failed. ``error`` is one line meant for the client: no traceback, no internals."""
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finished: bool = False
     finish_reason: str = ""
     error: str = ""
+    code: str = ""
+
+    @classmethod
+    def failed(cls, code: str, message: str) -> Chunk:
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown error code {code!r}; known: {', '.join(ERROR_CODES)}")
+        return cls(error=one_line(message), code=code)
+
+
+def one_line(message: str, limit: int = 300) -> str:
+    lines = str(message).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# What vLLM's AsyncLLM yields last for a request aborted by ``AsyncLLM.abort`` (the fake does the same).
+ABORTED = Chunk(finished=True, finish_reason="abort")
 
 
 class Engine(ABC):
     """Hosts requests. Invariant: once ``generate`` returns or is cancelled, or ``abort`` is called,
-    the request holds no blocks (``stats()['free_blocks']`` goes back up at once). ``stats()['admitted']``
-    lists (sorted) the caller's ids of the requests whose blocks that same snapshot counts as held."""
+    the request holds no blocks (``pool_report().free_blocks`` goes back up at once). ``admitted`` in a
+    report lists (sorted) the ids of the requests whose blocks that same report counts as held.
+    Once ``errored``, ``generate`` and ``pool_report`` raise ``EngineDead``."""
 
     @abstractmethod
     def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]: ...
@@ -60,7 +82,11 @@ class Engine(ABC):
     async def abort(self, request_id: str) -> None: ...
 
     @abstractmethod
-    async def stats(self) -> dict[str, Any]: ...
+    async def pool_report(self) -> PoolReport: ...
+
+    @property
+    def errored(self) -> bool:
+        return False
 
     async def shutdown(self) -> None:
         return None
@@ -68,28 +94,46 @@ class Engine(ABC):
 
 class FakeEngine(Engine):
     """Emits one token per ``token_delay_s``; a request waits until its peak blocks
-    (prompt + max_tokens) are free, then holds them to the end. Token i of a request is ``i % 97``."""
+    (prompt + max_tokens) are free, then holds them to the end. Token i of a request is ``i % 97``.
+    ``start_s`` makes construction take that long (a real engine's start); ``die()`` makes it fail like a
+    vLLM engine whose EngineCore process was killed."""
 
     def __init__(
-        self, total_blocks: int = 64, block_size: int = 32, token_delay_s: float = 0.01, reclaim_fraction: float = 0.0
+        self,
+        total_blocks: int = 64,
+        block_size: int = 32,
+        token_delay_s: float = 0.01,
+        reclaim_fraction: float = 0.0,
+        start_s: float = 0.0,
     ):
+        time.sleep(start_s)  # the replica builds engines in a thread
         self.total_blocks, self.block_size, self.delay = total_blocks, block_size, token_delay_s
         self.reclaim_fraction = reclaim_fraction
         self.held: dict[str, int] = {}
         self.live: dict[str, int] = {}
         self.waiting: set[str] = set()
         self.aborted: set[str] = set()
-        self.freed = 0
+        self.dead = False
         self._cv = asyncio.Condition()
 
     def _free(self) -> int:
         return self.total_blocks - sum(self.held.values())
 
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
+    def die(self) -> None:
+        """Testing: from now on fail as a dead vLLM engine does (every call raises EngineDead)."""
+        self.dead = True
+
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
         max_tokens = int(spec.sampling.get("max_tokens") or 16)
         need = math.ceil((len(spec.prompt_token_ids) + max_tokens) / self.block_size)
         if need > self.total_blocks:
-            yield Chunk(error=f"request needs {need} blocks, the pool has {self.total_blocks}")
+            yield Chunk.failed("invalid_argument", f"request needs {need} blocks, the pool has {self.total_blocks}")
             return
         rid = spec.request_id
         try:
@@ -97,23 +141,33 @@ class FakeEngine(Engine):
                 self.waiting.add(rid)
                 await self._cv.wait_for(lambda: self._free() >= need or rid in self.aborted)
                 self.waiting.discard(rid)
-                if rid in self.aborted:
-                    return
-                self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
+                admitted = rid not in self.aborted
+                if admitted:
+                    self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
+            if not admitted:
+                yield ABORTED
+                return
             for i in range(max_tokens):
                 await asyncio.sleep(self.delay)
+                if self.dead:
+                    raise EngineDead("fake engine died")
                 if rid in self.aborted:
+                    await self._release(rid)  # the blocks are free before the caller hears of the abort
+                    yield ABORTED
                     return
                 self.live[rid] += 1
                 last = i == max_tokens - 1
                 yield Chunk(f" t{i % 97}", (i % 97,), last, "length" if last else "")
         finally:
-            async with self._cv:
-                self.waiting.discard(rid)
-                self.aborted.discard(rid)
-                self.freed += self.held.pop(rid, 0)
-                self.live.pop(rid, None)
-                self._cv.notify_all()
+            await self._release(rid)
+
+    async def _release(self, rid: str) -> None:
+        async with self._cv:
+            self.waiting.discard(rid)
+            self.aborted.discard(rid)
+            self.held.pop(rid, 0)
+            self.live.pop(rid, None)
+            self._cv.notify_all()
 
     async def abort(self, request_id: str) -> None:
         async with self._cv:
@@ -121,20 +175,29 @@ class FakeEngine(Engine):
                 self.aborted.add(request_id)
             self._cv.notify_all()
 
-    async def stats(self) -> dict[str, Any]:
+    async def pool_report(self) -> PoolReport:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
         held = sum(self.held.values())
-        return {
-            "free_blocks": self.total_blocks - held,
-            "total_blocks": self.total_blocks,
-            "kv_cache_usage": held / self.total_blocks,
-            "running": len(self.held),
-            "waiting": len(self.waiting),
-            "live_tokens": sum(self.live.values()),
-            "blocks_reclaimed": int(held * self.reclaim_fraction),
-            "blocks_freed": self.freed,
-            "retained_blocks": held,
-            "admitted": sorted(self.held),
-        }
+        reclaimed = int(held * self.reclaim_fraction)
+        return PoolReport(
+            free_blocks=self.total_blocks - held,
+            total_blocks=self.total_blocks,
+            kv_cache_usage=held / self.total_blocks,
+            running=len(self.held),
+            waiting=len(self.waiting),
+            live_tokens=sum(self.live.values()),
+            retained_blocks=held,
+            naive_retained_blocks=held + reclaimed,
+            blocks_reclaimed=reclaimed,
+            admitted=tuple(sorted(self.held)),
+            blocks_freed_total=0,
+            tokens_evicted_total=0,
+            tokens_moved_total=0,
+            compaction_seconds_total=0.0,
+            preemptions_total=0,
+            block_size=self.block_size,
+        )
 
 
 class VLLMEngine(Engine):
@@ -149,8 +212,13 @@ class VLLMEngine(Engine):
         # A model name is resolved here, on the replica's node, where the model folder lives.
         folder = model if Path(model).is_dir() else str(model_path(model))
         self.vtoken = VTokenConfig(**vtoken)
+        self.block_size = int(engine_args.get("block_size") or 0)
         self.llm = make_async_llm(folder, self.vtoken, **engine_args)
-        self.live: set[str] = set()  # the caller's ids of requests in generate()
+        self.live: set[str] = set()  # ids of the requests in generate()
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
         self.live.add(spec.request_id)
@@ -162,44 +230,50 @@ class VLLMEngine(Engine):
 
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
+        started = False
         try:
             params = SamplingParams(**spec.sampling, output_kind=RequestOutputKind.DELTA)
-            stream = self.llm.generate(
-                TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids)), params, spec.request_id
-            )
-            first = await anext(stream)
-        except (ValueError, TypeError) as e:  # vLLM's own validation (length, sampling values)
-            yield Chunk(error=str(e))
-            return
-        except StopAsyncIteration:
-            return
-        # AsyncLLM.generate aborts the request itself when this generator is closed or cancelled.
-        out = first
-        while True:
-            c = out.outputs[0]
-            yield Chunk(c.text, tuple(c.token_ids), out.finished, c.finish_reason or "")
-            if out.finished:
-                return
-            try:
-                out = await anext(stream)
-            except StopAsyncIteration:
-                return
+            prompt = TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids))
+            # AsyncLLM.generate aborts the request itself when this generator is closed or cancelled.
+            async for out in self.llm.generate(prompt, params, spec.request_id):
+                started = True
+                c = out.outputs[0]
+                yield Chunk(c.text, tuple(c.token_ids), out.finished, c.finish_reason or "")
+                if out.finished:
+                    return
+        except EngineDeadError as e:
+            raise EngineDead("vLLM's EngineCore died") from e
+        except VLLMClientError as e:  # VLLMValidationError and friends: the request as sent
+            yield Chunk.failed("invalid_argument", str(e))
+        except (ValueError, TypeError) as e:
+            if started:  # not a judgement on the request: the replica reports it as internal
+                raise
+            yield Chunk.failed("invalid_argument", str(e))  # vLLM's older checks (lengths, sampling values)
 
     async def abort(self, request_id: str) -> None:
-        await self.llm.abort(request_id)
+        if not self.errored:
+            await self.llm.abort(request_id)
 
-    async def stats(self) -> dict[str, Any]:
-        from vtoken.vllm_adapter.engine import vtoken_stats_async
+    async def pool_report(self) -> PoolReport:
+        from vllm.v1.engine.exceptions import EngineDeadError
 
-        if not self.vtoken.enabled:  # stock vLLM has no vtoken_stats utility: nothing to report
-            return {k: 0 for k in REPORT_KEYS}
-        s = await vtoken_stats_async(self.llm)
-        # vLLM runs a request as "<caller's id>-<8 hex>"; its table exists once it holds blocks.
-        admitted = {rid if rid in self.live else rid.rsplit("-", 1)[0] for rid in s.get("requests", {})}
-        return {**{k: s.get(k, 0) for k in REPORT_KEYS}, "admitted": sorted(admitted)}
+        from vtoken.vllm_adapter.engine import pool_report_async
+
+        if self.errored:
+            raise EngineDead("vLLM's EngineCore is not running")
+        if not self.vtoken.enabled:
+            # Stock vLLM serves no pool report (vToken's scheduler adds it): the pool figures stay 0 and
+            # placement balances by the blocks promised to each replica; running is this replica's own count.
+            return empty_pool(self.block_size, running=len(self.live))
+        try:
+            return await pool_report_async(self.llm)
+        except EngineDeadError as e:
+            raise EngineDead("vLLM's EngineCore died") from e
 
     async def shutdown(self) -> None:
         self.llm.shutdown()

@@ -4,16 +4,23 @@ Lifecycle: the constructor only stores its arguments, so a Ray restart (``max_re
 controller decides when to build the engine: ``start()`` builds it (idempotent; in a thread, so pings keep
 answering during the ~30 s vLLM start) and begins reporting. Reports go to the controller at least every
 ``report_interval_s`` and at once when the pool changes by ``change_fraction`` of its blocks or the
-running/waiting counts or the admitted requests change. ``incarnation`` changes with every process, so the
-controller can tell a restarted replica from a late report of the dead one. A report's ``admitted`` lists the
-requests whose blocks its figures count: the controller keeps a request's promise until then, so its blocks
-are never counted twice (promise and ``free_blocks``)
-nor not at all (promise dropped, figures older than the admission).
+running/waiting counts, the admitted requests or the health change. ``incarnation`` changes with every
+engine, so the controller can tell a new one from a late report of the old one. A report's ``pool.admitted``
+lists the requests whose blocks its figures count: the controller keeps a request's promise until then, so
+its blocks are never counted twice (promise and ``free_blocks``) nor not at all (promise dropped, figures
+older than the admission).
+
+An engine that dies under a live replica (vLLM's EngineCore process killed, out of memory) is noticed by the
+next request or report: the replica logs it once, answers requests ``unavailable`` (the gateway places those
+that streamed nothing elsewhere) and reports itself unhealthy with the reason. The controller then stops
+placing there and restarts the replica's process, as for a replica that died itself: a fresh process starts a
+fresh engine (building a second AsyncLLM in the process of a dead one was seen to hang in vLLM's start-up).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -21,14 +28,22 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.engines import Chunk, Engine, EngineFactory, GenerateSpec
+from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec
+from actors.report import ReplicaReport, empty_pool
+from vtoken.vllm_adapter.messages import PoolReport
 
 log = logging.getLogger("vtoken.replica")
+REPORT_TIMEOUT_S = 60.0  # an engine step can hold a report back; a pool report that takes longer is a fault
+
+
+def _incarnation() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class Replica:
     """Invariants: a request is in ``inflight`` exactly while its generator runs; after ``drain()`` returns,
-    no request is in flight and new ones are refused; a cancelled or aborted request is aborted in the engine."""
+    no request is in flight and new ones are refused; a cancelled or aborted request is aborted in the engine;
+    ``engine`` is None exactly while no working engine exists (starting, or after its death)."""
 
     def __init__(
         self,
@@ -41,23 +56,29 @@ class Replica:
     ):
         self.name, self.factory, self.controller = name, factory, controller
         self.report_interval_s, self.change_fraction, self.poll_s = report_interval_s, change_fraction, poll_s
-        self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.incarnation = _incarnation()
         self.engine: Engine | None = None
+        self.error = ""  # why there is no engine now
+        self.deaths = 0  # engines that died under this replica
         self.inflight: set[str] = set()
         self.draining = False
-        self._starting: asyncio.Task | None = None
+        self._starting: asyncio.Future | None = None
         self._reporter: asyncio.Task | None = None
-        self._last: dict[str, Any] = {}
+        self._last: ReplicaReport | None = None
+        self._report_failing = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
         """Build the engine if not built yet and start reporting; returns the incarnation."""
         if self._starting is None:
-            self._starting = asyncio.ensure_future(asyncio.to_thread(self.factory))
-        self.engine = await asyncio.shield(self._starting)
+            self._starting = asyncio.ensure_future(self._build())
+        await asyncio.shield(self._starting)
         if self._reporter is None and self.controller is not None:
             self._reporter = asyncio.ensure_future(self._report_loop())
         return self.incarnation
+
+    async def _build(self) -> None:
+        self.engine = await asyncio.to_thread(self.factory)
 
     async def ping(self) -> dict[str, Any]:
         return {
@@ -66,9 +87,10 @@ class Replica:
             "ready": self.engine is not None,
             "draining": self.draining,
             "inflight": len(self.inflight),
+            "engine_deaths": self.deaths,
         }
 
-    async def drain(self, timeout_s: float = 60.0) -> dict[str, Any]:
+    async def drain(self, timeout_s: float = 60.0) -> ReplicaReport:
         """Refuse new requests, wait for the in-flight ones (abort what is left at the timeout), report."""
         self.draining = True
         t_end = time.monotonic() + timeout_s
@@ -84,53 +106,102 @@ class Replica:
         if self.engine is not None:
             await self.engine.shutdown()
 
+    # ------------------------------------------------------------------ engine death
+    def _engine_died(self, engine: Engine, why: str) -> None:
+        """The first caller that meets the dead engine (a request, the report loop) records the death; later
+        callers find ``engine`` already cleared, so it is logged once, not once per poll."""
+        if self.engine is not engine:
+            return
+        self.deaths += 1
+        self.engine, self.error = None, f"engine died: {why}"
+        log.error("replica %s: its engine died (%s); reporting unhealthy for a restart", self.name, why)
+
     # ------------------------------------------------------------------ serving
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
         """Streams the engine's chunks (a Ray streaming generator). Cancellation (``ray.cancel`` or the
-        caller dropping the stream) and ``abort`` both abort the request in the engine."""
-        if self.engine is None or self.draining:
-            yield Chunk(error="unavailable: replica is " + ("draining" if self.draining else "starting"))
+        caller dropping the stream) and ``abort`` both abort the request in the engine. Nothing raises out of
+        here: failures are chunks with a code (engines.ERROR_CODES) and one line for the client."""
+        engine = self.engine
+        if engine is None or self.draining:
+            why = "draining" if self.draining else ("down: " + self.error if self.error else "starting")
+            yield Chunk.failed("unavailable", f"replica {self.name} is {why}")
             return
         rid = spec.request_id
         self.inflight.add(rid)
         finished = False
         try:
-            async for chunk in self.engine.generate(spec):
+            async for chunk in engine.generate(spec):
                 finished = chunk.finished or bool(chunk.error)
                 yield chunk
+        except EngineDead as e:
+            finished = True
+            self._engine_died(engine, str(e))
+            yield Chunk.failed("unavailable", f"the engine of replica {self.name} died")
+        except Exception:
+            # The traceback stays in this log; the client hears only that it failed, and the request id.
+            log.exception("replica %s: request %s failed", self.name, rid)
+            yield Chunk.failed("internal", f"replica {self.name} failed to serve the request")
         finally:
             self.inflight.discard(rid)
             if not finished:
-                await asyncio.shield(self.engine.abort(rid))
+                with contextlib.suppress(Exception):  # nothing to abort in an engine that is gone
+                    await asyncio.shield(engine.abort(rid))
 
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:
             await self.engine.abort(request_id)
 
     # ------------------------------------------------------------------ reporting
-    async def report(self) -> dict[str, Any]:
-        """The current figures: the engine's pool statistics plus health."""
-        stats = await self.engine.stats() if self.engine is not None else {}
-        return {
-            **stats,
-            "name": self.name,
-            "incarnation": self.incarnation,
-            "healthy": self.engine is not None,
-            "draining": self.draining,
-            "inflight": len(self.inflight),
-            "time": time.time(),
-        }
-
-    def _changed(self, r: dict[str, Any]) -> bool:
-        last = self._last
-        if not last or r.get("admitted") != last.get("admitted"):
-            return True
-        step = max(1, int(self.change_fraction * max(r.get("total_blocks", 0), 1)))
-        return (
-            abs(r.get("free_blocks", 0) - last.get("free_blocks", 0)) >= step
-            or r.get("running") != last.get("running")
-            or r.get("waiting") != last.get("waiting")
+    async def report(self) -> ReplicaReport:
+        """The engine's pool report plus health; a dead engine is noticed here too."""
+        engine, pool = self.engine, empty_pool()
+        if engine is not None:
+            try:
+                pool = await self._pool_report(engine)
+            except EngineDead as e:
+                self._engine_died(engine, str(e))
+                engine = None
+        return ReplicaReport(
+            self.name,
+            self.incarnation,
+            engine is not None,
+            self.draining,
+            len(self.inflight),
+            time.time(),
+            pool,
+            self.error,
         )
+
+    async def _pool_report(self, engine: Engine) -> PoolReport:
+        """``engine.pool_report()``, watching the engine meanwhile: a utility call that was under way when
+        vLLM's EngineCore died is never answered, and waiting for it would stop the reports for good."""
+        if engine.errored:
+            raise EngineDead("the engine stopped")
+        call = asyncio.ensure_future(engine.pool_report())
+        t_end = time.monotonic() + REPORT_TIMEOUT_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self.poll_s)
+                if done:
+                    return call.result()
+                if engine.errored:
+                    raise EngineDead("the engine stopped while reporting")
+                if time.monotonic() > t_end:
+                    raise TimeoutError(f"the engine did not report within {REPORT_TIMEOUT_S:.0f}s")
+        finally:
+            call.cancel()
+
+    def _changed(self, r: ReplicaReport) -> bool:
+        last = self._last
+        if last is None or (r.healthy, r.incarnation, r.pool.admitted) != (
+            last.healthy,
+            last.incarnation,
+            last.pool.admitted,
+        ):
+            return True
+        p, q = r.pool, last.pool
+        step = max(1, int(self.change_fraction * max(p.total_blocks, 1)))
+        return abs(p.free_blocks - q.free_blocks) >= step or (p.running, p.waiting) != (q.running, q.waiting)
 
     async def _report_loop(self) -> None:
         sent_at = 0.0
@@ -140,8 +211,13 @@ class Replica:
                 if self._changed(r) or time.monotonic() - sent_at >= self.report_interval_s:
                     await asyncio.wait_for(self.controller.report.remote(self.name, r), timeout=5)
                     self._last, sent_at = r, time.monotonic()
+                if self._report_failing:
+                    log.info("replica %s: reports reach the controller again", self.name)
+                    self._report_failing = False
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a slow or restarting controller must not stop the reports
-                log.warning("replica %s: report failed: %s", self.name, e)
+                if not self._report_failing:  # once per outage, not once per poll
+                    log.warning("replica %s: report failed: %s (retrying every %.1fs)", self.name, e, self.poll_s)
+                    self._report_failing = True
             await asyncio.sleep(self.poll_s)

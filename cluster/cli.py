@@ -144,20 +144,29 @@ def _scale(args) -> int:
 def _serve(args) -> int:
     import logging
 
-    from cluster.config import ConfigError, load_config
+    from cluster.config import ConfigError, load_config, parse_config, preflight
+    from cluster.gateway import check_port
 
+    # Everything that can be wrong with the config or this machine is found here, before Ray starts: one line
+    # naming the field and the fix, exit code 2.
     try:
         cfg = load_config(args.config)
         if args.host is not None or args.port is not None:
             gw = cfg.gateway.model_dump() | {
                 k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
             }
-            cfg = type(cfg)(**(cfg.model_dump() | {"gateway": gw}))
+            cfg = parse_config(cfg.model_dump() | {"gateway": gw}, source=f"{args.config} with --host/--port")
+        preflight(cfg, local=not (args.address or cfg.ray.address))
+        check_port(cfg.gateway.host, cfg.gateway.port)
     except (ConfigError, ValueError) as e:
         print(f"vtoken serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(_serve_async(cfg, args))
+    try:
+        return asyncio.run(_serve_async(cfg, args))
+    except KeyboardInterrupt:  # while Ray itself was starting, before our handlers were installed
+        print("vtoken serve: interrupted during start-up; stopped", file=sys.stderr)
+        return 130
 
 
 async def _serve_async(cfg, args) -> int:
@@ -165,13 +174,18 @@ async def _serve_async(cfg, args) -> int:
 
     from cluster.server import serving, start_ray
 
-    local = start_ray(cfg, args.address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before Ray starts: a Ctrl-C during its start is heard after it
         loop.add_signal_handler(sig, stop.set)
-    try:
+    print("vtoken: starting Ray", flush=True)
+    local = start_ray(cfg, args.address)
+    print(f"vtoken: starting {cfg.replicas} replicas of {cfg.model}; Ctrl-C stops", flush=True)
+    started = asyncio.Event()
+
+    async def serve():
         async with serving(cfg, local=local) as s:
+            started.set()
             print(
                 f"vtoken: serving {cfg.model} on {cfg.gateway.host}:{s.port} ({cfg.replicas} replicas, "
                 f"placement {cfg.placement.strategy}); Ctrl-C stops",
@@ -183,9 +197,31 @@ async def _serve_async(cfg, args) -> int:
                 os.replace(args.port_file + ".tmp", args.port_file)
             await stop.wait()
             print("vtoken: shutting down: draining replicas", flush=True)
-        free = [f"{r['name']} {r.get('free_blocks')}/{r.get('total_blocks')}" for r in s.final_reports]
+        return s
+
+    task = asyncio.ensure_future(serve())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.is_set() and not task.done():
+            # Ctrl-C while replicas start (that can take the whole start timeout): stop now; serving()'s
+            # cleanup kills the controller and the replicas started so far.
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            print("vtoken serve: interrupted during start-up; stopped", file=sys.stderr, flush=True)
+            return 130
+        try:
+            s = await task
+        except (ValueError, OSError, RuntimeError) as e:  # a failed start: the reason, not a traceback
+            print(f"vtoken serve: {e}", file=sys.stderr, flush=True)
+            return 2 if isinstance(e, ValueError | OSError) else 1
+        free = [f"{r.name} {r.pool.free_blocks}/{r.pool.total_blocks}" for r in s.final_reports]
         print(f"vtoken: stopped; free blocks after drain: {', '.join(free)}", flush=True)
+        return 0
     finally:
+        stopped.cancel()
+        if not task.done():  # cancelled from outside: serving()'s cleanup needs Ray, so it runs first
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         if local:
             ray.shutdown()
-    return 0

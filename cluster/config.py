@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +41,9 @@ class EngineConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine argument")
     fake_total_blocks: int = Field(64, gt=0, description="fake engine only: blocks in the pool")
     fake_token_delay_s: float = Field(0.01, ge=0, description="fake engine only: seconds per token")
+    fake_start_s: float = Field(
+        0.0, ge=0, description="fake engine only: seconds its start takes (a real engine takes ~30-60 s on CPU)"
+    )
 
 
 class ReplicaConfig(_Strict):
@@ -66,6 +71,12 @@ class PlacementConfig(_Strict):
         "serving but its figures are only trusted with what was placed since",
     )
     dead_after_s: float = Field(6.0, gt=0, description="no report for this long: the replica is marked dead")
+    promise_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="a placed request's blocks count against its replica until a report counts them or the "
+        "request ends; a promise whose end never arrives (a gateway gone) is dropped after this long",
+    )
 
     @field_validator("strategy")
     @classmethod
@@ -123,6 +134,11 @@ class GatewayConfig(_Strict):
     )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
+    health_requires_auth: bool = Field(
+        False,
+        description="with auth_token_env set: whether grpc.health.v1.Health also needs the bearer token "
+        "(false: health checks are open, as load-balancer probes cannot send one)",
+    )
 
     @model_validator(mode="after")
     def _secure(self):
@@ -163,7 +179,33 @@ class ServeConfig(_Strict):
     def _vtoken(cls, v: dict[str, Any]) -> dict[str, Any]:
         from vtoken.vllm_adapter.config import VTokenConfig
 
-        return VTokenConfig(**v).model_dump()
+        for key, value in _numbers(v, "vtoken"):
+            if not math.isfinite(value):
+                raise ValueError(f"{key}: must be a finite number, got {value}")
+        try:
+            return VTokenConfig(**v).model_dump()
+        except ValidationError as e:  # VTokenConfig's own messages, one line, with the vtoken.* field named
+            raise ValueError(
+                "; ".join(
+                    ".".join(["vtoken", *map(str, err["loc"])]) + ": " + _reason(err["msg"]) for err in e.errors()
+                )
+            ) from None
+        except Exception as e:  # whatever VTokenConfig or a policy raises (OverflowError, TypeError, ...)
+            raise ValueError(f"vtoken: {type(e).__name__}: {e}") from None
+
+    @model_validator(mode="after")
+    def _model_resolves(self):
+        """A vLLM model must be a folder or a known prepared-model name, checked here rather than by a replica
+        tens of seconds later. Whether a known model is prepared is checked where it is served (preflight)."""
+        if self.engine.kind == "vllm" and not Path(self.model).is_dir():
+            from vtoken.models import MODELS
+
+            if self.model not in MODELS:
+                raise ValueError(
+                    f"model: {self.model!r} is neither a model folder nor a known model; known: "
+                    f"{', '.join(sorted(MODELS))} (vtoken models list)"
+                )
+        return self
 
     def model_folder(self) -> str:
         if self.engine.kind == "fake" or Path(self.model).is_dir():
@@ -189,8 +231,48 @@ def load_config(path: str | Path, **overrides: Any) -> ServeConfig:
 
 
 def parse_config(raw: dict[str, Any], source: str = "config") -> ServeConfig:
+    """The config, or a ConfigError of one line that names every bad field and says what is wrong."""
     try:
         return ServeConfig(**raw)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"{source}: invalid serve config:\n" + "\n".join(lines)) from None
+        parts = [_located(".".join(map(str, err["loc"])), _reason(err["msg"])) for err in e.errors()]
+        raise ConfigError(f"{source}: invalid serve config: " + "; ".join(parts)) from None
+
+
+def _located(loc: str, reason: str) -> str:
+    """``field: reason``; checks that name their field themselves (top-level, vtoken.*) keep their own."""
+    return reason if not loc or reason.startswith(loc + ".") or reason.startswith(loc + ":") else f"{loc}: {reason}"
+
+
+def _reason(msg: str) -> str:
+    return msg.removeprefix("Value error, ").replace("\n", " ")
+
+
+def _numbers(v: Any, path: str):
+    """(dotted path, value) of every float in a nested mapping (YAML's .inf and .nan are floats)."""
+    if isinstance(v, float):
+        yield path, v
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            yield from _numbers(x, f"{path}.{k}")
+    elif isinstance(v, list | tuple):
+        for i, x in enumerate(v):
+            yield from _numbers(x, f"{path}.{i}")
+
+
+def preflight(cfg: ServeConfig, local: bool = True) -> None:
+    """What can only be checked where and when the deployment starts, before anything is started: the auth
+    token's variable is set; on a local deployment, a named model is prepared. Raises ConfigError (one line)."""
+    env = cfg.gateway.auth_token_env
+    if env and not os.environ.get(env):
+        raise ConfigError(
+            f"gateway.auth_token_env: the environment variable {env} is not set; export {env}=<token> "
+            "or set gateway.auth_token_env: null"
+        )
+    if local and cfg.engine.kind == "vllm" and not Path(cfg.model).is_dir():
+        from vtoken.models import ModelPrepareError, model_path
+
+        try:
+            model_path(cfg.model)
+        except ModelPrepareError as e:
+            raise ConfigError(f"model: {e}") from None

@@ -20,12 +20,13 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
 from actors.engines import EngineFactory
 from actors.replica import Replica
+from actors.report import ReplicaReport, unreported
 from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
 from cluster.placement import ReplicaView, make_strategy
@@ -34,16 +35,26 @@ log = logging.getLogger("vtoken.controller")
 REPLICA_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
+class Promise(NamedTuple):
+    """Blocks a placed request counts against its replica until a report counts them (or it ends)."""
+
+    replica: str
+    blocks: int
+    at: float  # time.monotonic() of the placement
+
+
 @dataclass
 class ReplicaState:
     name: str
     handle: Any
     state: str = "starting"
-    report: dict[str, Any] = field(default_factory=dict)
+    report: ReplicaReport = field(default_factory=unreported)
     reported_at: float = 0.0
     died_at: float | None = None
     task: asyncio.Task | None = None
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
+    error: str = ""  # why it failed to start
+    restarted: str = ""  # the incarnation whose process was restarted because its engine died
 
 
 def engine_factory(cfg: ServeConfig) -> EngineFactory:
@@ -51,7 +62,12 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
     if e.kind == "fake":
         return EngineFactory(
             "fake",
-            {"total_blocks": e.fake_total_blocks, "block_size": e.block_size, "token_delay_s": e.fake_token_delay_s},
+            {
+                "total_blocks": e.fake_total_blocks,
+                "block_size": e.block_size,
+                "token_delay_s": e.fake_token_delay_s,
+                "start_s": e.fake_start_s,
+            },
         )
     args = {
         "dtype": e.dtype,
@@ -74,10 +90,13 @@ class Controller:
         self.autoscaler = Autoscaler(self.cfg.autoscaling)
         self.replicas: dict[str, ReplicaState] = {}
         self.target, self.seq = self.cfg.replicas, 0
-        self.promises: dict[str, tuple[str, int]] = {}
+        # Every structure here is bounded however long the deployment runs: promises end with their request,
+        # with a report that counts them, with their replica, or after promise_ttl_s (a request whose end the
+        # controller never heard of: a gateway gone, a lost message); the rest keep the last few entries.
+        self.promises: dict[str, Promise] = {}
         self.decisions: collections.deque = collections.deque(maxlen=50)
-        self.recoveries: list[float] = []
-        self.drained: list[dict[str, Any]] = []
+        self.recoveries: collections.deque[float] = collections.deque(maxlen=100)
+        self._tasks: set[asyncio.Future] = set()  # fire-and-forget work (drains), held until done
         self._loop: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -88,11 +107,11 @@ class Controller:
         t_end = time.monotonic() + timeout_s
         while self._count("healthy") < self.target and time.monotonic() < t_end:
             if self._count("failed"):
-                raise RuntimeError(next(st.report["error"] for st in self.replicas.values() if st.state == "failed"))
+                raise RuntimeError(next(st.error for st in self.replicas.values() if st.state == "failed"))
             await asyncio.sleep(0.2)
         return self._count("healthy")
 
-    async def shutdown(self, timeout_s: float = 30) -> list[dict[str, Any]]:
+    async def shutdown(self, timeout_s: float = 30) -> list[ReplicaReport]:
         """Drain every replica and kill it; returns each replica's final report (all blocks free)."""
         if self._loop:
             self._loop.cancel()
@@ -141,13 +160,15 @@ class Controller:
                 return str(start) if n == 1 else f"{start}-{start + n - 1}"
         return None
 
-    async def _start_replica(self, st: ReplicaState) -> None:
+    async def _start_replica(self, st: ReplicaState, dead: str | None = None) -> None:
         """(Re)start the engine. Ray restarts a killed process by itself; a replica Ray gave up on
-        (restarts exhausted, node gone) is replaced by a new actor."""
+        (restarts exhausted, node gone) is replaced by a new actor. ``dead``: the incarnation being killed,
+        which may still answer for a moment; only a new process counts as started."""
         while True:
             try:
-                await st.handle.start.remote()
-                return
+                if await st.handle.start.remote() != dead:
+                    return
+                await asyncio.sleep(0.5)
             except ray.exceptions.ActorUnavailableError:
                 await asyncio.sleep(0.5)  # restarting: try again
             except ray.exceptions.RayActorError as e:
@@ -158,10 +179,10 @@ class Controller:
                 return
             except Exception as e:  # the engine itself failed to start (bad model, too small a pool)
                 log.error("replica %s failed to start its engine: %s", st.name, e)
-                st.state, st.report = "failed", {"error": str(e)[-500:]}
+                st.state, st.error = "failed", str(e)[-500:]
                 return
 
-    async def _drain(self, st: ReplicaState, timeout_s: float = 60) -> dict[str, Any] | None:
+    async def _drain(self, st: ReplicaState, timeout_s: float = 60) -> ReplicaReport | None:
         st.state = "draining"
         final = None
         try:
@@ -171,34 +192,58 @@ class Controller:
             log.warning("replica %s: drain failed: %s", st.name, e)
         ray.kill(st.handle, no_restart=True)
         self.replicas.pop(st.name, None)
-        if final:
-            self.drained.append(final)
         return final
 
     # ------------------------------------------------------------------ reports and health
-    async def report(self, name: str, r: dict[str, Any]) -> None:
+    async def report(self, name: str, r: ReplicaReport) -> None:
         st = self.replicas.get(name)
-        if st is None or st.state == "draining":
+        if st is None or st.state in ("draining", "failed"):
             return
-        if st.report.get("incarnation") != r.get("incarnation"):  # a new process: old promises are void
-            self.promises = {k: v for k, v in self.promises.items() if v[0] != name}
-        for rid in r.get("admitted", ()):
-            if self.promises.get(rid, ("",))[0] == name:
+        if st.report.incarnation != r.incarnation:  # a new process or engine: old promises are void
+            self._void_promises(name)
+        for rid in r.pool.admitted:
+            p = self.promises.get(rid)
+            if p is not None and p.replica == name:
                 del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
-        if st.state in ("starting", "dead") and r.get("healthy"):
+        if st.state in ("starting", "dead") and r.healthy:
             st.state = "healthy"
             if st.died_at is not None:
                 self.recoveries.append(time.monotonic() - st.died_at)
                 log.info("replica %s serving again %.1fs after its death", name, self.recoveries[-1])
                 st.died_at = None
+        elif not r.healthy and st.state in ("healthy", "dead") and st.restarted != r.incarnation:
+            # The process is alive but its engine died (it may have been marked dead already for reports
+            # that stopped while its engine went down): restart the process, once per incarnation.
+            log.warning("replica %s is not serving (%s); restarting its process", name, r.error or "no engine")
+            st.state, st.died_at = "dead", st.died_at or time.monotonic()
+            self._void_promises(name)
+            st.restarted = r.incarnation
+            self._restart_process(st)
+
+    def _restart_process(self, st: ReplicaState) -> None:
+        """A fresh process and engine for a replica whose engine died: Ray restarts the killed actor
+        (``max_restarts``; if exhausted, ``_start_replica`` replaces it) and ``_start_replica`` starts it,
+        waiting past the dying incarnation."""
+        ray.kill(st.handle, no_restart=False)
+        if st.task is not None and not st.task.done():
+            st.task.cancel()  # a start that may take the dying process for a started one
+        st.task = asyncio.ensure_future(self._start_replica(st, dead=st.report.incarnation))
+
+    def _void_promises(self, name: str) -> None:
+        self.promises = {k: p for k, p in self.promises.items() if p.replica != name}
+
+    def _expire_promises(self, now: float) -> None:
+        ttl = self.cfg.placement.promise_ttl_s
+        if any(now - p.at > ttl for p in self.promises.values()):
+            self.promises = {k: p for k, p in self.promises.items() if now - p.at <= ttl}
 
     async def mark_failed(self, name: str, why: str = "call failed") -> None:
         st = self.replicas.get(name)
         if st is not None and st.state in ("healthy", "starting"):
             log.warning("replica %s marked dead: %s", name, why)
             st.state, st.died_at = "dead", time.monotonic()
-            self.promises = {k: v for k, v in self.promises.items() if v[0] != name}
+            self._void_promises(name)
             if st.task is None or st.task.done():
                 st.task = asyncio.ensure_future(self._start_replica(st))
 
@@ -210,9 +255,11 @@ class Controller:
                 for st in list(self.replicas.values()):
                     if st.state == "healthy" and now - st.reported_at > self.cfg.placement.dead_after_s:
                         await self.mark_failed(st.name, f"no report for {now - st.reported_at:.1f}s")
-                if self.cfg.autoscaling.enabled and now >= next_scale:
+                if now >= next_scale:
                     next_scale = now + 1.0
-                    self._autoscale(now)
+                    self._expire_promises(now)
+                    if self.cfg.autoscaling.enabled:
+                        self._autoscale(now)
                 self._reconcile()
             except Exception:
                 log.exception("controller monitor")
@@ -221,10 +268,21 @@ class Controller:
     # ------------------------------------------------------------------ scaling
     def _limit(self) -> int:
         """Replicas this deployment can hold: on one machine, what its CPUs allow."""
-        if not self.local or self.cfg.replica.num_cpus <= 0:
-            return self.cfg.autoscaling.max_replicas
-        cpus = ray.cluster_resources().get("CPU", 1)
-        return max(1, math.floor(cpus / self.cfg.replica.num_cpus))
+        return self.replica_limit()[0]
+
+    def replica_limit(self) -> tuple[int, str]:
+        """The most replicas this deployment may run, and what sets that limit (for error messages)."""
+        most = self.cfg.autoscaling.max_replicas
+        limit = (most, f"autoscaling.max_replicas is {most}")
+        if self.local and self.cfg.replica.num_cpus > 0:
+            cpus = ray.cluster_resources().get("CPU", 1)
+            fit = max(1, math.floor(cpus / self.cfg.replica.num_cpus))
+            if fit < most:
+                limit = (
+                    fit,
+                    f"this machine's {cpus:g} CPUs hold {fit} of replica.num_cpus {self.cfg.replica.num_cpus:g}",
+                )
+        return limit
 
     def _autoscale(self, now: float) -> None:
         d = self.autoscaler.decide(now, self._views(), self.target, self._limit())
@@ -240,8 +298,10 @@ class Controller:
             request_cluster_resources(n, self.cfg.replica.num_cpus, self.cfg.replica.num_gpus)
 
     async def scale(self, n: int) -> int:
-        if n < 1:
-            raise ValueError("replicas must be >= 1")
+        """Set the target; raises ValueError outside [1, replica_limit()] (the gateway checks first)."""
+        limit, why = self.replica_limit()
+        if not 1 <= n <= limit:
+            raise ValueError(f"replicas must be between 1 and {limit} ({why})")
         self.decisions.append(
             {"time": time.time(), "from_replicas": self.target, "to_replicas": n, "reason": "manual (vtoken scale)"}
         )
@@ -253,28 +313,35 @@ class Controller:
         for _ in range(self.target - len(active)):
             self._create()
         if len(active) > self.target:  # drain the least busy (a dead one first)
-            order = sorted(active, key=lambda s: (s.state == "healthy", s.report.get("running", 0)))
+            order = sorted(active, key=lambda s: (s.state == "healthy", s.report.pool.running))
             for st in order[: len(active) - self.target]:
-                asyncio.ensure_future(self._drain(st))
+                self._spawn(self._drain(st))
+
+    def _spawn(self, coro) -> None:
+        """Run ``coro`` in the background, holding a reference until it is done (asyncio keeps only weak ones)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ placement
     def _views(self) -> list[ReplicaView]:
         now, promised = time.monotonic(), collections.Counter()
-        for name, blocks in self.promises.values():
-            promised[name] += blocks
+        for p in self.promises.values():
+            promised[p.replica] += p.blocks
         return [
             ReplicaView(
                 st.name,
-                int(st.report.get("free_blocks", 0)),
-                int(st.report.get("total_blocks", 0)),
+                p.free_blocks,
+                p.total_blocks,
                 promised[st.name],
-                int(st.report.get("running", 0)),
-                int(st.report.get("waiting", 0)),
-                int(st.report.get("blocks_reclaimed", 0)),
+                p.running,
+                p.waiting,
+                p.blocks_reclaimed,
                 now - st.reported_at > self.cfg.placement.stale_after_s,
             )
             for st in self.replicas.values()
             if st.state == "healthy"
+            for p in (st.report.pool,)
         ]
 
     async def place(self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = ()) -> tuple | None:
@@ -283,7 +350,7 @@ class Controller:
         if not views:
             return None
         v = self.strategy.choose(views, need_blocks)
-        self.promises[request_id] = (v.name, need_blocks)
+        self.promises[request_id] = Promise(v.name, need_blocks, time.monotonic())
         return v.name, self.replicas[v.name].handle
 
     async def set_placement(self, strategy: str) -> None:

@@ -13,6 +13,8 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,8 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from actors.engines import GenerateSpec
-from cluster.config import ServeConfig
+from actors.engines import Chunk, GenerateSpec
+from cluster.config import ConfigError, ServeConfig
 from cluster.placement import estimate_blocks
 from cluster.proto import vtoken_pb2 as pb
 from cluster.requests import BadRequest, Tokenizer, parse, validate
@@ -45,13 +47,19 @@ class Gateway:
 
     # ------------------------------------------------------------------ server
     async def start(self) -> int:
-        """Bind and serve; returns the port (``port: 0`` picks a free one)."""
+        """Bind and serve; returns the port (``port: 0`` picks a free one). Raises PortInUse."""
         token = os.environ.get(self.g.auth_token_env) if self.g.auth_token_env else None
         if self.g.auth_token_env and not token:
-            raise ValueError(f"auth_token_env is {self.g.auth_token_env} but that variable is not set")
+            raise ConfigError(f"gateway.auth_token_env: the environment variable {self.g.auth_token_env} is not set")
+        open_methods = () if self.g.health_requires_auth else (HEALTH_PREFIX,)
         self.server = grpc.aio.server(
-            interceptors=[BearerAuth(token)] if token else [],
-            options=[("grpc.max_receive_message_length", self.g.max_request_bytes)],
+            interceptors=[BearerAuth(token, open_methods)] if token else [],
+            options=[
+                ("grpc.max_receive_message_length", self.g.max_request_bytes),
+                # gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and share the
+                # connections with whatever holds it. A busy port must be an error instead.
+                ("grpc.so_reuseport", 0),
+            ],
         )
         self.server.add_generic_rpc_handlers(
             (
@@ -80,13 +88,15 @@ class Gateway:
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server
         )
         addr = f"{self.g.host}:{self.g.port}"
+        creds = None
         if self.g.tls_cert:
             creds = grpc.ssl_server_credentials(
                 [(Path(self.g.tls_key).read_bytes(), Path(self.g.tls_cert).read_bytes())]
             )
-            port = self.server.add_secure_port(addr, creds)
-        else:
-            port = self.server.add_insecure_port(addr)
+        try:
+            port = self.server.add_secure_port(addr, creds) if self.g.tls_cert else self.server.add_insecure_port(addr)
+        except RuntimeError:  # gRPC's "Failed to bind to address"
+            raise PortInUse(self.g.host, self.g.port) from None
         await self.server.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -102,8 +112,9 @@ class Gateway:
         return to_proto(await self.controller.status.remote())
 
     async def scale(self, request, context) -> pb.ScaleResponse:
-        if request.replicas < 1:
-            await context.abort(Code.INVALID_ARGUMENT, "replicas must be >= 1")
+        limit, why = await self.controller.replica_limit.remote()
+        if not 1 <= request.replicas <= limit:
+            await context.abort(Code.INVALID_ARGUMENT, f"replicas must be between 1 and {limit} ({why})")
         return pb.ScaleResponse(target_replicas=await self.controller.scale.remote(request.replicas))
 
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
@@ -116,25 +127,33 @@ class Gateway:
             req = validate(parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars)
         except BadRequest as e:
             await context.abort(Code.INVALID_ARGUMENT, str(e))
+        # The engine, the replica and the controller know a request by this id only: clients may reuse theirs
+        # (or send the same one on several streams), and cancelling one stream must not touch another.
+        rid = uuid.uuid4().hex
         self.inflight += 1
         try:
-            async for msg in self._serve(req, context):
+            async for msg in self._serve(req, rid, context):
                 yield msg
+        except grpc.aio.AbortError:  # context.abort: the status is set
+            raise
+        except Exception:  # a bug or a Ray failure: the traceback goes to the log, never to the client
+            log.exception("request %s (client id %r) failed", rid, req.request_id)
+            await context.abort(Code.INTERNAL, internal_message(req.request_id, rid))
         finally:
             self.inflight -= 1
-            self.controller.finished.remote(req.request_id)  # release the promise whatever happened
+            self.controller.finished.remote(rid)  # release the promise whatever happened
 
-    async def _serve(self, req, context) -> AsyncIterator[pb.GenerateResponse]:
+    async def _serve(self, req, rid: str, context) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
         limits = [t for t in (context.time_remaining(), req.deadline_s) if t is not None]
         deadline = loop.time() + min(limits) if limits else None
         need = estimate_blocks(
             len(req.prompt_token_ids), req.sampling.max_tokens, self.cfg.engine.block_size, *(self._budget or ())
         )
-        spec = GenerateSpec(req.request_id, req.prompt_token_ids, _vllm_sampling(req.sampling))
+        spec = GenerateSpec(rid, req.prompt_token_ids, _vllm_sampling(req.sampling))
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
-            placed = await self._place(req.request_id, need, tried, deadline)
+            placed = await self._place(rid, need, tried, deadline)
             if placed is None:
                 await context.abort(Code.UNAVAILABLE, "no live replica could take the request")
             name, replica = placed
@@ -148,14 +167,18 @@ class Gateway:
                         chunk = await asyncio.wait_for(_next(stream), timeout)
                     except TimeoutError:
                         await context.abort(Code.DEADLINE_EXCEEDED, "deadline exceeded")
-                    if chunk is None:
-                        done = True
-                        return
-                    if chunk.error:
-                        done = True
-                        if chunk.error.startswith("unavailable") and not streamed:
-                            break  # draining or restarting: place it again
-                        await context.abort(Code.INVALID_ARGUMENT, chunk.error)
+                    if chunk is None or chunk.error or chunk.finish_reason == "abort":
+                        done = True  # the server ended it (failure, drain, engine restart), not the client
+                        code, why = failure(chunk, name)
+                        if code == Code.UNAVAILABLE and not streamed:
+                            log.info("request %s: %s before its first token; placing it again", rid, why)
+                            break
+                        if code == Code.INTERNAL:
+                            log.error("request %s (client id %r): %s", rid, req.request_id, why)
+                            why = internal_message(req.request_id, rid)
+                        elif code == Code.UNAVAILABLE:
+                            why = f"{why} after {streamed} chunks; retry the request"
+                        await context.abort(code, why)
                     streamed += 1
                     done = chunk.finished
                     yield pb.GenerateResponse(
@@ -174,11 +197,11 @@ class Gateway:
                 self.controller.mark_failed.remote(name, f"{type(e).__name__} during a request")
                 if streamed:
                     await context.abort(Code.UNAVAILABLE, f"replica {name} died mid-stream; retry the request")
-                log.warning("replica %s died before request %s started; placing it again", name, req.request_id)
+                log.warning("replica %s died before request %s started; placing it again", name, rid)
             finally:
                 if not done:  # cancelled, deadline, or the client went away: free its blocks now
                     ray.cancel(stream)
-                    replica.abort.remote(req.request_id)
+                    replica.abort.remote(rid)
         await context.abort(Code.UNAVAILABLE, f"request failed on {len(tried)} replicas: {', '.join(tried)}")
 
     async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None):
@@ -196,6 +219,23 @@ class Gateway:
             await asyncio.sleep(0.2)
 
 
+# Chunk.code (actors.engines.ERROR_CODES) -> what the client gets.
+GRPC_CODES = {"invalid_argument": Code.INVALID_ARGUMENT, "unavailable": Code.UNAVAILABLE, "internal": Code.INTERNAL}
+
+
+def failure(chunk: Chunk | None, replica: str) -> tuple[grpc.StatusCode, str]:
+    """How a stream ends for the client when the server ended it: a failed request's code and one-line
+    reason; a request the replica aborted (vLLM's finish_reason "abort", or a stream that stopped before its
+    finished chunk) is UNAVAILABLE: never OK, the client did not ask for it."""
+    if chunk is None or (chunk.finish_reason == "abort" and not chunk.error):
+        return Code.UNAVAILABLE, f"the request was aborted by replica {replica}"
+    return GRPC_CODES.get(chunk.code, Code.INTERNAL), chunk.error
+
+
+def internal_message(client_id: str, rid: str) -> str:
+    return f"internal error serving request {client_id!r} (server id {rid}); the server log has the details"
+
+
 async def _next(stream):
     try:
         return await (await stream.__anext__())
@@ -210,16 +250,49 @@ def _vllm_sampling(s) -> dict[str, Any]:
     return out
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Every call (health and reflection included) must carry ``authorization: Bearer <token>``."""
+class PortInUse(ValueError):
+    def __init__(self, host: str, port: int, why: str = "in use"):
+        super().__init__(
+            f"gateway.port: {host}:{port} is {why}; stop what holds it or choose another port (--port, 0 picks a "
+            "free one)"
+        )
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+
+def check_port(host: str, port: int) -> None:
+    """Raise PortInUse now, before anything starts, if the gateway could not bind ``host:port`` (0: any)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"gateway.host: cannot resolve {host!r}: {e}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: a port in TIME_WAIT is free
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise PortInUse(host, port, e.strerror.lower() if e.strerror else "in use") from None
+
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer <token>`` (the scheme in any case, RFC 7235 2.1), except
+    the methods under ``open_prefixes`` (by default the health service: load-balancer probes send no token)."""
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = ()):
+        self.token, self.open = token.encode(), open_prefixes
+
+    def _allowed(self, details) -> bool:
+        if self.open and details.method.startswith(self.open):
+            return True
+        scheme, _, credentials = dict(details.invocation_metadata or ()).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), self.token)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if handler is None or hmac.compare_digest(got.encode(), self.expected):
+        if handler is None or self._allowed(details):
             return handler
 
         async def deny(request, context):

@@ -19,9 +19,10 @@ from typing import Any
 
 import ray
 
-from cluster.config import ServeConfig
+from actors.report import ReplicaReport
+from cluster.config import ServeConfig, preflight
 from cluster.controller import REPLICA_ENV, Controller
-from cluster.gateway import Gateway
+from cluster.gateway import Gateway, check_port
 from cluster.requests import Tokenizer
 
 log = logging.getLogger("vtoken.server")
@@ -49,13 +50,16 @@ class Served:
     port: int
     controller: Any
     gateway: Gateway
-    final_reports: list[dict[str, Any]] = field(default_factory=list)
+    final_reports: list[ReplicaReport] = field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
 async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float = 600) -> AsyncIterator[Served]:
     """Controller + replicas + gateway; on exit the gateway stops, every replica drains, and ``final_reports``
-    holds each replica's last report (all blocks free after a clean drain)."""
+    holds each replica's last report (all blocks free after a clean drain). Raises ConfigError or PortInUse
+    before starting anything when the deployment cannot start here."""
+    preflight(cfg, local)
+    check_port(cfg.gateway.host, cfg.gateway.port)
     ctl = (
         ray.remote(Controller)
         .options(name=f"{cfg.name}-controller", num_cpus=0, max_concurrency=10000)

@@ -5,6 +5,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+# Status field -> PoolReport field (promised_blocks is the controller's own).
+POOL_FIELDS = {
+    "free_blocks": "free_blocks",
+    "total_blocks": "total_blocks",
+    "blocks_reclaimed": "blocks_reclaimed",
+    "blocks_freed": "blocks_freed_total",
+    "live_tokens": "live_tokens",
+    "running": "running",
+    "waiting": "waiting",
+}
 FIELDS = (
     "free_blocks",
     "total_blocks",
@@ -20,15 +30,15 @@ FIELDS = (
 def cluster_status(ctl) -> dict[str, Any]:
     now = time.monotonic()
     promised: dict[str, int] = {}
-    for name, blocks in ctl.promises.values():
-        promised[name] = promised.get(name, 0) + blocks
+    for p in ctl.promises.values():
+        promised[p.replica] = promised.get(p.replica, 0) + p.blocks
     rows = []
     for st in sorted(ctl.replicas.values(), key=lambda s: s.name):
-        r = st.report
+        pool = st.report.pool
         row = {
             "name": st.name,
             "state": st.state,
-            **{k: int(r.get(k, 0)) for k in FIELDS},
+            **{k: int(getattr(pool, f)) for k, f in POOL_FIELDS.items()},
             "report_age_s": round(now - st.reported_at, 2) if st.reported_at else -1.0,
         }
         row["promised_blocks"] = promised.get(st.name, 0)

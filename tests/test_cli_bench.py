@@ -70,3 +70,19 @@ def test_bench_quick(name, tmp_path):
     assert QUICK[name](out), f"{name}: unexpected structure"
     assert (tmp_path / f"{name}.md").read_text().count("|") > 8
     assert (tmp_path / f"{name}.png").stat().st_size > 5000
+
+
+def test_bench_goodput_plumbing_on_the_fake_engine(tmp_path):
+    """The serving benchmark end to end (embedded Ray, two replicas, controller, gateway; JSON, Markdown, plot
+    and the machine's load) on the fake engine, in well under a minute. Its --quick form on tiny-llama starts
+    two vLLM replicas (minutes on this machine), so it is not part of the smoke runs."""
+    from vtoken.cli import main
+
+    assert main(["bench", "goodput", "--quick", "--engine", "fake", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "goodput.json").read_text())
+    assert {"benchmark", "command", "settings", "machine", "seconds"} <= set(out)
+    assert set(out["goodput"]) == {"free_blocks", "round_robin"} and out["requests"] == 6
+    assert out["load"]["cpus"] >= 1 and len(out["load"]["loadavg_before"]) == len(out["load"]["loadavg_after"]) == 3
+    assert all(sum(r["heavy_per_replica"].values()) == 3 for runs in out["runs"].values() for r in runs)
+    assert "load average" in (tmp_path / "goodput.md").read_text()
+    assert (tmp_path / "goodput.png").stat().st_size > 5000

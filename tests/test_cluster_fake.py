@@ -4,7 +4,6 @@ deadlines, auth, health and reflection, manual and automatic scaling, drains tha
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -22,7 +21,7 @@ def served():
     ensure_ray()
     with BackgroundServer(config("fake", gateway={"max_inflight": 6, "max_request_bytes": 4096})) as s:
         yield s
-    assert s.final_reports and all(r["free_blocks"] == r["total_blocks"] for r in s.final_reports)
+    assert s.final_reports and all(r.pool.free_blocks == r.pool.total_blocks for r in s.final_reports)
 
 
 def test_streams_and_reports(served):
@@ -81,6 +80,39 @@ def test_overload_is_bounded(served):
     assert results.count("OK") >= 6
 
 
+def test_streams_sharing_a_client_request_id_are_independent(served):
+    """Four streams with the same client request_id: cancelling one leaves the others whole. The gateway keys
+    engine requests and promises by an id of its own and keeps the client's id in the responses."""
+    s = stub(served.port)
+    req = pb.GenerateRequest(request_id="same", prompt="hi", sampling=pb.SamplingParams(max_tokens=40))
+    calls = [s.Generate(req, timeout=60) for _ in range(4)]
+    firsts = [next(c) for c in calls]
+    calls[0].cancel()
+    for c, first in zip(calls[1:], firsts[1:]):
+        msgs = [first, *c]
+        assert sum(len(m.token_ids) for m in msgs) == 40 and msgs[-1].finish_reason == "length"
+        assert {m.request_id for m in msgs} == {"same"}
+    wait_for(lambda: status(s)["totals"]["free_blocks"] == 32, 10, what="blocks back")
+
+
+def test_a_stream_the_server_aborts_ends_in_an_error_not_ok():
+    """A drain that runs out of time aborts the requests in flight: their streams end UNAVAILABLE, never OK
+    with a truncated completion (vLLM's finish_reason "abort")."""
+    import ray
+
+    ensure_ray()
+    with BackgroundServer(config("fake-abort", replicas=1)) as s:
+        st = stub(s.port)
+        call = st.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=400)), timeout=60)
+        got = [next(call), next(call)]
+        replica = ray.get_actor(status(st)["replicas"][0]["name"])
+        ray.get(replica.drain.remote(0.1), timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            got.extend(call)
+        assert e.value.code() == Code.UNAVAILABLE and "abort" in e.value.details(), e.value.details()
+        assert len(got) < 400
+
+
 def test_cancel_and_deadline_free_blocks(served):
     s = stub(served.port)
     call = s.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=500)))
@@ -119,18 +151,26 @@ def test_health_and_reflection(served):
     assert "vtoken.v1.VToken" in {s.name for s in resp.list_services_response.service}
 
 
-def test_bearer_token_on_every_call(monkeypatch):
+def test_bearer_token_on_every_call_but_health(monkeypatch):
+    """Every call needs the token, the scheme in any case (RFC 7235); health checks are open by default
+    (load-balancer probes cannot send a token)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     ensure_ray()
     monkeypatch.setenv("VTOKEN_TEST_TOKEN", "s3cret")
     with BackgroundServer(config("fake-auth", replicas=1, gateway={"auth_token_env": "VTOKEN_TEST_TOKEN"})) as s:
-        for md in ((), (("authorization", "Bearer wrong"),)):
+        for md in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
             with pytest.raises(grpc.RpcError) as e:
                 generate(stub(s.port), metadata=md)
             assert e.value.code() == Code.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as e:
                 status(stub(s.port), metadata=md)
             assert e.value.code() == Code.UNAUTHENTICATED
-        assert generate(stub(s.port), metadata=(("authorization", "Bearer s3cret"),))[-1].finished
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert generate(stub(s.port), metadata=(("authorization", f"{scheme} s3cret"),))[-1].finished
+        ch = grpc.insecure_channel(f"127.0.0.1:{s.port}")
+        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_live_scale_out_then_in_by_free_capacity():
@@ -168,7 +208,7 @@ def test_live_scale_out_then_in_by_free_capacity():
         )
         assert any("scale in" in d["reason"] for d in shrunk["decisions"])
         assert generate(st, max_tokens=3)[-1].finished
-    assert all(r["free_blocks"] == r["total_blocks"] for r in s.final_reports)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in s.final_reports)
 
 
 def test_manual_scale(served):
@@ -180,7 +220,14 @@ def test_manual_scale(served):
     with pytest.raises(grpc.RpcError) as e:
         s.Scale(pb.ScaleRequest(replicas=0), timeout=10)
     assert e.value.code() == Code.INVALID_ARGUMENT
-    time.sleep(0.1)
+    try:
+        with pytest.raises(grpc.RpcError) as e:  # bounded by autoscaling.max_replicas (4 by default)
+            s.Scale(pb.ScaleRequest(replicas=5), timeout=10)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "between 1 and 4" in e.value.details()
+        assert "autoscaling.max_replicas" in e.value.details()
+    finally:
+        s.Scale(pb.ScaleRequest(replicas=2), timeout=10)
+    assert status(s)["target_replicas"] == 2
 
 
 def test_killed_replica_loses_no_unstarted_request_and_serves_again(served):

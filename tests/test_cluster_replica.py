@@ -1,0 +1,157 @@
+"""The replica and the gateway's error mapping without Ray: engine failures become one-line errors with a
+code (the traceback stays in the log), a dead engine is noticed once, replaced, and placement avoids the
+replica meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import pytest
+
+from actors.engines import Chunk, FakeEngine, GenerateSpec
+from actors.replica import Replica
+from actors.report import ReplicaReport, empty_pool
+from cluster.config import parse_config
+from cluster.controller import Controller, ReplicaState
+from cluster.gateway import failure
+
+Code = grpc.StatusCode
+
+
+class _Remote:
+    """``obj.method.remote(...)`` of a Ray handle, answered at once in this event loop."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.fn(*args))
+        return fut
+
+
+class StubController:
+    def __init__(self):
+        self.reports: list[ReplicaReport] = []
+        self.report = _Remote(lambda name, r: self.reports.append(r))
+
+
+class Unanswered(FakeEngine):
+    """A pool report under way when vLLM's EngineCore dies is never answered."""
+
+    hang = False
+
+    async def pool_report(self):
+        if self.hang:
+            await asyncio.Event().wait()
+        return await super().pool_report()
+
+
+class Broken(FakeEngine):
+    async def generate(self, spec):
+        raise RuntimeError("boom in /srv/secret/path.py at 10.0.0.7")
+        yield  # an async generator, like the real ones
+
+
+async def _collect(replica, spec):
+    return [c async for c in replica.generate(spec)]
+
+
+def test_an_unexpected_engine_error_is_internal_and_its_traceback_stays_in_the_log(caplog):
+    async def go():
+        r = Replica("r1", Broken)
+        await r.start()
+        return await _collect(r, GenerateSpec("rid-42", [1, 2, 3], {"max_tokens": 4})), r
+
+    with caplog.at_level(logging.ERROR, logger="vtoken.replica"):
+        chunks, replica = asyncio.run(go())
+    assert len(chunks) == 1 and chunks[0].code == "internal", chunks
+    assert "secret" not in chunks[0].error and "10.0.0.7" not in chunks[0].error and "\n" not in chunks[0].error
+    assert "rid-42" in caplog.text and caplog.records[-1].exc_info  # the traceback is in the server log
+    assert not replica.inflight
+
+
+@pytest.mark.parametrize(
+    "chunk, code, needle",
+    [
+        (Chunk.failed("invalid_argument", "stop cannot contain an empty string.\nmore"), Code.INVALID_ARGUMENT, "stop"),
+        (Chunk.failed("unavailable", "replica r is draining"), Code.UNAVAILABLE, "draining"),
+        (Chunk.failed("internal", "replica r failed"), Code.INTERNAL, "failed"),
+        (Chunk(finished=True, finish_reason="abort"), Code.UNAVAILABLE, "aborted by replica r"),
+        (None, Code.UNAVAILABLE, "aborted by replica r"),  # the stream stopped before its finished chunk
+    ],
+)
+def test_how_a_stream_the_server_ended_reaches_the_client(chunk, code, needle):
+    got, why = failure(chunk, "r")
+    assert got == code and needle in why and "\n" not in why
+
+
+def test_a_dead_engine_is_logged_once_and_reported_so_the_controller_restarts_the_replica(caplog):
+    """The engine dies under a live replica: the request in flight ends ``unavailable`` (the gateway places
+    it again if nothing streamed), new ones are refused the same way, every report from then on says unhealthy
+    with the reason (the controller stops placing there and restarts the process), and the death is logged
+    once however many report polls meet it."""
+    built: list[Unanswered] = []
+
+    def factory():
+        built.append(Unanswered(total_blocks=8, token_delay_s=0.01))
+        return built[-1]
+
+    async def go():
+        ctl = StubController()
+        r = Replica("r1", factory, ctl, report_interval_s=0.05, poll_s=0.01)
+        await r.start()
+        stream = r.generate(GenerateSpec("a", [1] * 10, {"max_tokens": 200}))
+        got = [await anext(stream), await anext(stream)]
+        built[0].hang = True
+        await asyncio.sleep(0.05)  # the report loop waits for an answer that will never come
+        built[0].die()
+        got += [c async for c in stream]
+        refused = await _collect(r, GenerateSpec("b", [1], {"max_tokens": 2}))
+        await asyncio.sleep(0.2)  # many report polls meet the dead engine
+        await r.shutdown()
+        return got, refused, ctl.reports, r
+
+    with caplog.at_level(logging.INFO, logger="vtoken.replica"):
+        got, refused, reports, replica = asyncio.run(go())
+    assert got[-1].code == "unavailable" and "died" in got[-1].error and all(not c.error for c in got[:-1])
+    assert [c.code for c in refused] == ["unavailable"] and "engine died" in refused[0].error
+    down = [x for x in reports if not x.healthy]
+    assert reports[0].healthy and down and reports[-1] in down
+    assert all("engine died" in x.error and x.pool.total_blocks == 0 for x in down)
+    assert caplog.text.count("its engine died") == 1 and replica.deaths == 1 and len(built) == 1
+    assert "report failed" not in caplog.text
+
+
+def _report(name, incarnation="i1", healthy=True, free=30, admitted=(), error=""):
+    pool = empty_pool(32)._replace(free_blocks=free, total_blocks=64, admitted=tuple(admitted))
+    return ReplicaReport(name, incarnation, healthy, False, 0, time.time(), pool, error)
+
+
+def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewhere_meanwhile(monkeypatch):
+    ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
+    ctl.replicas["a"] = ReplicaState("a", handle="a")
+    ctl.replicas["b"] = ReplicaState("b", handle="b")
+    restarted: list[str] = []
+    monkeypatch.setattr(ctl, "_restart_process", lambda st: restarted.append(st.name))
+
+    async def go():
+        await ctl.report("a", _report("a", free=60))
+        await ctl.report("b", _report("b", free=10))
+        assert (await ctl.place("q", 4))[0] == "a"
+        await ctl.report("a", _report("a", healthy=False, free=0, error="engine died: x"))
+        assert ctl.replicas["a"].state == "dead" and "q" not in ctl.promises and restarted == ["a"]
+        await ctl.report("a", _report("a", healthy=False, free=0, error="engine died: x"))  # a late report
+        assert restarted == ["a"]
+        await ctl.report("a", _report("a", incarnation="i2", free=64))
+        ctl.replicas["a"].state = "dead"  # no report for dead_after_s while its engine went down
+        await ctl.report("a", _report("a", incarnation="i2", healthy=False, error="engine died: y"))
+        assert restarted == ["a", "a"] and ctl.replicas["a"].state == "dead"
+        assert (await ctl.place("p", 4))[0] == "b"
+        await ctl.report("a", _report("a", incarnation="i3", free=64))
+        assert ctl.replicas["a"].state == "healthy" and ctl.recoveries
+
+    asyncio.run(go())
