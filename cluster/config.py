@@ -45,6 +45,16 @@ class EngineConfig(_Strict):
         0.0, ge=0, description="fake engine only: seconds its start takes (a real engine takes ~30-60 s on CPU)"
     )
 
+    @field_validator("extra")
+    @classmethod
+    def _no_internals(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """vToken picks vLLM's scheduler and worker classes and owns additional_config; a serving config that set
+        them could switch on vToken's testing knobs (negative controls that corrupt answers) or bypass vToken."""
+        taken = sorted({"scheduler_cls", "worker_cls", "additional_config"} & set(v))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by vToken, not in a serving config")
+        return v
+
 
 class ReplicaConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0, description="CPUs each replica actor reserves (fractions allowed)")

@@ -39,6 +39,14 @@ def test_shipped_serve_configs_load():
         ({"model": "tiny-llama", "vtoken": {"policy": "nope"}}, "unknown eviction policy"),
         ({"model": "tiny-llama", "replicass": 2}, "replicass"),
         ({"replicas": 2}, "model"),
+        # testing knobs (negative controls that corrupt answers) cannot reach a server
+        ({"model": "tiny-llama", "vtoken": {"fault": "skip_moves"}}, "vtoken.fault"),
+        ({"model": "tiny-llama", "vtoken": {"relocate_every": 3}}, "vtoken.relocate_every"),
+        (
+            {"model": "tiny-llama", "engine": {"extra": {"additional_config": {"vtoken_testing": {}}}}},
+            "additional_config: set by vToken",
+        ),
+        ({"model": "tiny-llama", "engine": {"extra": {"worker_cls": "x.Y"}}}, "worker_cls: set by vToken"),
     ],
 )
 def test_bad_serve_config_is_a_clear_error(raw, needle):
