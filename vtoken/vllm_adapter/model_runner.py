@@ -111,6 +111,9 @@ class VTokenRunnerMixin:
                     self.positions[:total] = physical
         if self.vt_scorer is not None:
             self.vt_scorer.reset_slots(self.input_batch.block_table[0].slot_mapping.gpu[:total].long())
+            # Every decode row through its one query, as before the scorer's begin_step existed.
+            rows = np.flatnonzero(np.asarray(num_scheduled_tokens[:num_reqs]) == 1)
+            self.vt_scorer.begin_step(rows, np.ones(rows.size, np.int64))
         return result
 
     # ---------------------------------------------------------------- after the forward

@@ -1,0 +1,264 @@
+"""AttentionScorer: the attention statistics H2O and Scissorhands need, per physical KV slot, on the device.
+
+Before each forward the model runner names the batch rows to observe and, for each, how many of the row's
+LAST queries (``begin_step``): 1 for a decode row, up to ``w`` for a prefill chunk (SnapKV's observation
+window). After every attention layer has written its KV, ``observe`` recomputes those queries' softmax
+attention over the row's physical slots. ``end_step`` sums the step over the TP group and folds it, query by
+query, into two per-slot statistics that the mover moves with their tokens (``extra_tensors``):
+
+  attn_sum  float32 [num_slots]  attention received, summed over layers, ALL heads and observed queries
+  attn_hist int64   [num_slots]  shift register; every observed query shifts one bit into each key it
+                                 attends to: 1 if the key's share of that query's attention (averaged over
+                                 layers and heads) exceeds the uniform share 1 / (p_q + 1)
+
+Query j of a row's last n_q queries sits at physical position ``p_q = seq_len - n_q + j`` and attends to
+the row's keys at physical positions 0..p_q (causal, itself included); a decode step is the case n_q = 1.
+``vtoken/scores_reference.py`` computes the same numbers the plain way; the tests hold one to the other.
+
+One fast path for every row of the step at once (no Python work per request, query or slot):
+
+    block table, rows padded to the step's NB blocks     [R, NB]        NB = max blocks of an observed row
+    K of those blocks, one gather of whole blocks     -> [R*kvh*NB, bs, D]  (CPU layout: the stored K^T,
+                                                                         read as a transposed operand)
+    logits^T = K_block @ q^T, one bmm (fp32 out)      -> [R, kvh, NB*bs, W*G]   keys contiguous
+    * scale + causal bias, softmax over keys          (denominator once per row, head and query)
+    summed over layers in the step's buffer; over heads, queries and TP ranks once, in ``end_step``
+
+Padding: rows shorter than NB blocks and queries past a row's n_q are computed and then masked (bias -inf,
+statistics routed to a trash slot past ``num_slots``); the waste is bounded by the longest observed row.
+Slots shared by two rows of one step (a cached prefix) get both rows' ``attn_sum``; their ``attn_hist`` is
+one row's (undefined which). The scheduler never evicts shared tokens, so neither reaches a decision.
+Not supported (not used by the models we serve): ALiBi, soft-capping, sliding windows, attention sinks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vtoken.mover import LAYOUTS
+from vtoken.planner import to_global_slots
+
+ATTN_SUM, ATTN_HIST = "attn_sum", "attn_hist"  # = vtoken.policies.ATTN_SUM / ATTN_HIST (imported lazily)
+_HIST_BITS = 64
+
+
+class _OneRank:
+    """Stand-in for ``vllm_adapter.tp.TensorParallel`` without tensor parallelism (no vLLM import)."""
+
+    world = 1
+
+    def sum_scores(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+
+class _StepPlan(NamedTuple):
+    """This step's observed rows, resolved against the attention metadata once (every layer shares it).
+
+    R rows, W = max n_q (queries padded to W), NB blocks per row (padded), K = NB * block_size keys.
+    """
+
+    tok: torch.Tensor  # int64 [R*W]: token index of each observed query in the layer's ``query``
+    blocks: torch.Tensor  # int64 [R, NB]: the rows' block tables, padded
+    allowed: torch.Tensor  # bool [R, K, W]: key k is at or before query w (and w is a real query)
+    bias: torch.Tensor  # float32 [R, 1, K, W, 1]: 0 where allowed, -inf elsewhere
+    slots: torch.Tensor  # int64 [R*K]: global slot of each key; the trash slot past the row's seq_len
+    pos: torch.Tensor  # int64 [R, W]: physical position of each query (padding repeats the last one)
+    shift: torch.Tensor  # int64 [R, W]: n_q - 1 - j, where query j's bit ends up in attn_hist
+    seq: torch.Tensor  # int64 [R]: physical seq_len of each row
+    w: int
+    nb: int
+
+
+class AttentionScorer:
+    """Per-slot attention statistics over a paged KV cache (see the module docstring for the semantics).
+
+    ``num_slots = num_blocks * block_size``; slot ``s`` is offset ``s % block_size`` of block
+    ``s // block_size``. ``layout`` names one of ``vtoken.mover.LAYOUTS`` ("cpu": vLLM's CPU backend,
+    "flash": the CUDA FlashAttention view). Per step: ``reset_slots`` (slots written this step), then
+    ``begin_step``, one ``observe`` per attention layer, ``end_step``; ``export`` whenever asked.
+    Invariant: with tensor parallelism every rank makes the same calls with the same rows and metadata, so
+    ``end_step`` runs the same collective with the same shape everywhere (or none, when nothing is observed).
+    """
+
+    _CAUSAL_SLACK = 0  # keys up to p_q + slack are attended; tests plant 1 as a negative control
+
+    def __init__(self, num_slots: int, block_size: int, layout: str, device: torch.device, tp=None) -> None:
+        if layout not in LAYOUTS or layout == "slots":
+            raise ValueError(f"unknown KV layout {layout!r}; known: cpu, flash")
+        if num_slots % block_size:
+            raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
+        self.num_slots, self.block_size, self.layout = num_slots, block_size, layout
+        self.device = torch.device(device)
+        self.tp = tp if tp is not None else _OneRank()
+        # One trash slot past the end takes the statistics of padding keys, so folding needs no
+        # data-dependent selection (which would synchronise a GPU).
+        self._acc = torch.zeros(num_slots + 1, dtype=torch.float32, device=self.device)
+        self._hist = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
+        self.acc, self.hist = self._acc[:num_slots], self._hist[:num_slots]
+        self._out_dtype_bmm = self.device.type == "cuda"  # fp16/bf16 x fp16/bf16 -> fp32 in one bmm
+        self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
+        self.rows: np.ndarray = np.empty(0, np.int64)  # rows observed in the last finished step
+        self._seq: torch.Tensor | None = None  # and their physical seq_lens
+
+    @property
+    def extra_tensors(self) -> list[torch.Tensor]:
+        """Per-slot state the KV mover moves with its tokens: [attn_sum, attn_hist], each [num_slots]."""
+        return [self.acc, self.hist]
+
+    # ------------------------------------------------------------------ the step
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """Global slots written this step start with no history (called before the forward)."""
+        self.acc[slots] = 0
+        self.hist[slots] = 0
+
+    def begin_step(self, rows, n_queries) -> None:
+        """Observe batch ``rows`` (int64 [R]) this step, each through its last ``n_queries[i]`` queries
+        (1 for a decode row; at most the row's query length). Rows not listed are not observed at all."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        n_queries = np.asarray(n_queries, dtype=np.int64).reshape(-1)
+        if rows.shape != n_queries.shape:
+            raise ValueError(f"rows {rows.shape} and n_queries {n_queries.shape} differ in shape")
+        if n_queries.size and n_queries.min() < 1:
+            raise ValueError("every observed row needs at least one query")
+        self._begin(rows, n_queries)
+
+    def _begin(self, rows: np.ndarray, n_queries: np.ndarray) -> None:
+        self._rows, self._nq = rows, n_queries
+        self._plan: _StepPlan | None = None
+        self._w5: torch.Tensor | None = None  # [R, kvh, K, W, G] probabilities summed over layers
+        self._layers = self._heads = 0  # layers observed this step, query heads per layer on this rank
+
+    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float) -> None:
+        """One attention layer, after it wrote its KV: add the observed queries' attention to the step.
+
+        ``query`` [num_tokens, heads, head_size] (this rank's heads); ``kv_cache`` one layer in ``layout``;
+        ``attn_metadata`` has vLLM's ``query_start_loc`` [B+1], ``seq_lens`` [B] (physical),
+        ``block_table`` [B, max_blocks] and ``max_seq_len``."""
+        if not self._rows.size:
+            return
+        if self._plan is None:
+            self._plan = self._make_plan(attn_metadata)
+        p = self._plan
+        r, heads, d = len(self._rows), query.shape[1], query.shape[2]
+        k = self._gather_k(kv_cache, d, p.blocks)  # [R*kvh*NB, bs, D]
+        kvh = k.shape[0] // (r * p.nb)
+        g = heads // kvh
+        # q^T per (row, kv head), repeated for each of the row's blocks: the one copy a block-batched bmm needs.
+        q = query.index_select(0, p.tok).view(r, p.w, kvh, g, d).permute(0, 2, 4, 1, 3)  # [R, kvh, D, W, G]
+        q = q.unsqueeze(2).expand(r, kvh, p.nb, d, p.w, g).reshape(r * kvh * p.nb, d, p.w * g)
+        logits = self._bmm_f32(k, q).view(r, kvh, p.nb * self.block_size, p.w, g)
+        torch.add(p.bias, logits, alpha=scale, out=logits)  # logits * scale, -inf where not attended
+        probs = torch.softmax(logits, dim=2)
+        if self._w5 is None:
+            self._w5 = probs
+        else:
+            self._w5.add_(probs)
+        self._layers += 1
+        self._heads = heads
+
+    def end_step(self) -> None:
+        """Fold this step's attention into ``attn_sum`` and ``attn_hist`` (after the TP all-reduce)."""
+        p, w5, total = self._plan, self._w5, self._layers * self._heads * self.tp.world
+        self.rows, self._seq = self._rows, (p.seq if p is not None else None)
+        self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
+        if w5 is None:
+            return
+        w = self.tp.sum_scores(w5.sum((1, 4)))  # [R, K, W]: this rank's heads -> all heads
+        w = w.masked_fill(~p.allowed, 0.0)  # padding queries and keys after each query
+        self._acc.index_add_(0, p.slots, w.sum(2).flatten())
+        share = w / total
+        hot = (share > uniform_share(p.pos + 1)[:, None, :]) & p.allowed
+        keep = p.shift < _HIST_BITS  # a window longer than the register: the oldest bits fall off
+        bits = (hot & keep[:, None, :]).long() << p.shift.clamp(max=_HIST_BITS - 1)[:, None, :]
+        bits = bits.sum(2).flatten()  # distinct powers of two: the sum is the bitwise or
+        shifts = p.allowed.sum(2).flatten()  # queries that attended each key, >= 1 for every real key
+        old = self._hist[p.slots]
+        old = torch.where(shifts >= _HIST_BITS, 0, old << shifts.clamp(max=_HIST_BITS - 1))
+        self._hist[p.slots] = old | bits
+
+    @property
+    def lens(self) -> np.ndarray:
+        """Physical seq_len of each row in ``rows`` (copied to the host only when read)."""
+        return np.empty(0, np.int64) if self._seq is None else self._seq.cpu().numpy()
+
+    def export(self, block_ids: list[int], physical_len: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """One request's statistics per physical slot [physical_len], on the host."""
+        slots = torch.as_tensor(
+            to_global_slots(np.arange(physical_len), block_ids, self.block_size), device=self.acc.device
+        )
+        src = {ATTN_SUM: self.acc, ATTN_HIST: self.hist}
+        return {n: src[n][slots].cpu().numpy() for n in names}
+
+    # ------------------------------------------------------------------ fast-path pieces
+    def _make_plan(self, md) -> _StepPlan:
+        bs, dev = self.block_size, self.device
+        rows = _to_device(self._rows, dev)
+        nq = _to_device(self._nq, dev)
+        w = int(self._nq.max())
+        seq = md.seq_lens.index_select(0, rows).long()
+        end = md.query_start_loc.index_select(0, rows + 1).long()
+        if md.seq_lens.device.type == "cpu":  # host metadata: exact, and the query lengths can be checked
+            longest = int(seq.max())
+            qlen = end - md.query_start_loc.index_select(0, rows).long()
+            if bool((nq > qlen).any()):
+                raise ValueError("a row is asked for more queries than it has this step")
+        else:  # device metadata: vLLM's host-side bound, so that nothing waits for the GPU
+            longest = int(md.max_seq_len)
+        nb = min(-(-longest // bs), md.block_table.shape[1])
+        blocks = md.block_table.index_select(0, rows)[:, :nb].long()
+        j = torch.arange(w, device=dev)
+        real = j[None, :] < nq[:, None]  # [R, W]
+        pos = torch.where(real, seq[:, None] - nq[:, None] + j[None, :], seq[:, None] - 1)
+        tok = (end[:, None] - seq[:, None] + pos).flatten()  # the row's last token sits at seq - 1
+        kpos = torch.arange(nb * bs, device=dev)
+        allowed = (kpos[None, :, None] <= pos[:, None, :] + self._CAUSAL_SLACK) & real[:, None, :]
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=dev).masked_fill_(~allowed, -math.inf)
+        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(self._rows), -1)
+        slots = torch.where(kpos[None, :] < seq[:, None], slots, self.num_slots).flatten()
+        shift = nq[:, None] - 1 - j[None, :]
+        return _StepPlan(tok, blocks, allowed, bias[:, None, :, :, None], slots, pos, shift, seq, w, nb)
+
+    def _gather_k(self, kv_cache: torch.Tensor, head_size: int, blocks: torch.Tensor) -> torch.Tensor:
+        """K of the given blocks, whole blocks at a time: [R*kvh*NB, bs, D] (possibly a transposed view)."""
+        k = LAYOUTS[self.layout](kv_cache, self.block_size)[0][..., :head_size]  # [nb, bs, kvh, D]
+        k = k.permute(0, 2, 1, 3)  # [nb, kvh, bs, D]
+        transposed = k.stride(2) == 1 and k.stride(3) != 1  # the CPU layout stores K^T per block
+        src = k.transpose(2, 3) if transposed else k  # copy blocks in their memory order
+        kvh = src.shape[1]
+        heads = torch.arange(kvh, device=blocks.device)
+        try:  # (block, kv head) pairs are one index: a plain index_select of contiguous chunks
+            flat = src.view(src.shape[0] * kvh, *src.shape[2:])
+            out = flat.index_select(0, (blocks[:, None, :] * kvh + heads[None, :, None]).flatten())
+        except RuntimeError:  # a layout whose heads do not nest inside blocks
+            out = src[blocks[:, None, :], heads[None, :, None]].flatten(0, 2)
+        return out.transpose(1, 2) if transposed else out
+
+    def _bmm_f32(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b with fp32 products and accumulation; half-precision KV is never copied to fp32 on CUDA."""
+        if a.dtype == torch.float32:
+            return torch.bmm(a, b.float())
+        if self._out_dtype_bmm:
+            try:
+                return torch.bmm(a, b.to(a.dtype), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # this torch build has no fp32-out bmm
+                self._out_dtype_bmm = False
+        return torch.bmm(a.float(), b.float())
+
+
+def uniform_share(num_attended):
+    """The share of a query's attention that a key gets when attention is uniform: 1 / (the number of keys
+    the query attends to, itself included). One definition for the scorer, its reference and the quality
+    benchmark. For a query at physical position p_q that is p_q + 1, so a decode step (p_q = seq_len - 1)
+    is the window's last query; counting live tokens instead would agree only when no slot below p_q is dead."""
+    return 1.0 / num_attended
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # no host sync
+    return t.to(device)
