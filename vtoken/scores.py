@@ -15,14 +15,17 @@ Query j of a row's last n_q queries sits at physical position ``p_q = seq_len - 
 the row's keys at physical positions 0..p_q (causal, itself included); a decode step is the case n_q = 1.
 ``vtoken/scores_reference.py`` computes the same numbers the plain way; the tests hold one to the other.
 
-One fast path for every row of the step at once (no Python work per request, query or slot):
+One fast path for every row of the step at once, decode rows and prefill windows alike (no Python work per
+request, query or slot; per layer seven tensor ops into buffers reused by every layer of the step):
 
-    block table, rows padded to the step's NB blocks     [R, NB]        NB = max blocks of an observed row
-    K of those blocks, one gather of whole blocks     -> [R*kvh*NB, bs, D]  (CPU layout: the stored K^T,
-                                                                         read as a transposed operand)
-    logits^T = K_block @ q^T, one bmm (fp32 out)      -> [R, kvh, NB*bs, W*G]   keys contiguous
-    * scale + causal bias, softmax over keys          (denominator once per row, head and query)
-    summed over layers in the step's buffer; over heads, queries and TP ranks once, in ``end_step``
+    block table of the observed rows, padded to NB blocks     [R, NB]     NB = blocks of the longest row
+    K^T of those blocks, one gather of whole (block, head)  -> [R*kvh*NB, D, bs]  (the CPU layout stores
+                                                               K^T per block: copied as it lies)
+    q of each (row, kv head), repeated per block            -> [R*kvh*NB, W*G, D]  (G = heads per kv head)
+    logits = q @ K^T, one bmm, fp32 accumulation            -> [R*kvh*NB, W*G, bs]
+    * scale, -inf past each query, keys made contiguous     -> [R, kvh, W, G, NB*bs]   (one op)
+    softmax over keys (denominator once per row, head and query), summed over layers in the step's buffer;
+    over heads and TP ranks once per step, then folded query by query in ``end_step``
 
 Padding: rows shorter than NB blocks and queries past a row's n_q are computed and then masked (bias -inf,
 statistics routed to a trash slot past ``num_slots``); the waste is bounded by the longest observed row.
@@ -41,8 +44,8 @@ import torch
 
 from vtoken.mover import LAYOUTS
 from vtoken.planner import to_global_slots
+from vtoken.policies import ATTN_HIST, ATTN_SUM
 
-ATTN_SUM, ATTN_HIST = "attn_sum", "attn_hist"  # = vtoken.policies.ATTN_SUM / ATTN_HIST (imported lazily)
 _HIST_BITS = 64
 
 
@@ -63,8 +66,8 @@ class _StepPlan(NamedTuple):
 
     tok: torch.Tensor  # int64 [R*W]: token index of each observed query in the layer's ``query``
     blocks: torch.Tensor  # int64 [R, NB]: the rows' block tables, padded
-    allowed: torch.Tensor  # bool [R, K, W]: key k is at or before query w (and w is a real query)
-    bias: torch.Tensor  # float32 [R, 1, K, W, 1]: 0 where allowed, -inf elsewhere
+    allowed: torch.Tensor  # bool [R, W, K]: key k is at or before query w (and w is a real query)
+    bias: torch.Tensor  # float32 [R, 1, W, 1, NB, bs]: 0 where allowed, -inf elsewhere
     slots: torch.Tensor  # int64 [R*K]: global slot of each key; the trash slot past the row's seq_len
     pos: torch.Tensor  # int64 [R, W]: physical position of each query (padding repeats the last one)
     shift: torch.Tensor  # int64 [R, W]: n_q - 1 - j, where query j's bit ends up in attn_hist
@@ -99,7 +102,8 @@ class AttentionScorer:
         self._acc = torch.zeros(num_slots + 1, dtype=torch.float32, device=self.device)
         self._hist = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.acc, self.hist = self._acc[:num_slots], self._hist[:num_slots]
-        self._out_dtype_bmm = self.device.type == "cuda"  # fp16/bf16 x fp16/bf16 -> fp32 in one bmm
+        self._fp32_out_bmm = _has_fp32_out_bmm(self.device)  # fp16/bf16 x fp16/bf16 -> fp32 in one bmm
+        self._views: dict[tuple, tuple] = {}  # per KV cache tensor: its K views (see _k_source)
         self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
         self.rows: np.ndarray = np.empty(0, np.int64)  # rows observed in the last finished step
         self._seq: torch.Tensor | None = None  # and their physical seq_lens
@@ -129,7 +133,9 @@ class AttentionScorer:
     def _begin(self, rows: np.ndarray, n_queries: np.ndarray) -> None:
         self._rows, self._nq = rows, n_queries
         self._plan: _StepPlan | None = None
-        self._w5: torch.Tensor | None = None  # [R, kvh, K, W, G] probabilities summed over layers
+        self._w5: torch.Tensor | None = None  # [R, kvh, W, G, K] probabilities summed over layers
+        self._buf: dict[str, torch.Tensor] | None = None  # this step's work tensors (see _buffers)
+        self._kidx: torch.Tensor | None = None  # [R*kvh*NB] (block, kv head) rows of the K gather
         self._layers = self._heads = 0  # layers observed this step, query heads per layer on this rank
 
     def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float) -> None:
@@ -143,22 +149,61 @@ class AttentionScorer:
         if self._plan is None:
             self._plan = self._make_plan(attn_metadata)
         p = self._plan
-        r, heads, d = len(self._rows), query.shape[1], query.shape[2]
-        k = self._gather_k(kv_cache, d, p.blocks)  # [R*kvh*NB, bs, D]
-        kvh = k.shape[0] // (r * p.nb)
-        g = heads // kvh
-        # q^T per (row, kv head), repeated for each of the row's blocks: the one copy a block-batched bmm needs.
-        q = query.index_select(0, p.tok).view(r, p.w, kvh, g, d).permute(0, 2, 4, 1, 3)  # [R, kvh, D, W, G]
-        q = q.unsqueeze(2).expand(r, kvh, p.nb, d, p.w, g).reshape(r * kvh * p.nb, d, p.w * g)
-        logits = self._bmm_f32(k, q).view(r, kvh, p.nb * self.block_size, p.w, g)
-        torch.add(p.bias, logits, alpha=scale, out=logits)  # logits * scale, -inf where not attended
-        probs = torch.softmax(logits, dim=2)
+        r, heads, d, bs = len(self._rows), query.shape[1], query.shape[2], self.block_size
+        src, flat, stored_kt = self._k_source(kv_cache, d)
+        kvh = src.shape[1]
+        g, n = heads // kvh, r * kvh * p.nb
+        if self._buf is None:
+            self._buf = self._buffers(n, r, kvh, g, d, tuple(src.shape[2:]), kv_cache.dtype)
+        b = self._buf
+        # K (stored K^T on CPU) of every observed row's blocks: one gather of whole (block, kv head) chunks.
+        if flat is not None:
+            kt = torch.index_select(flat, 0, self._gather_index(p.blocks, kvh), out=b["k"])
+        else:  # a layout whose heads do not nest inside blocks
+            heads_idx = torch.arange(kvh, device=self.device)
+            kt = src[p.blocks[:, None, :], heads_idx[None, :, None]].flatten(0, 2)
+        kt = kt if stored_kt else kt.transpose(1, 2)  # [N, D, bs]
+        if "k32" in b:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered blocks
+            kt = b["k32"].copy_(kt)
+        # q of each (row, kv head), repeated for each of the row's blocks: the one copy a block-batched bmm needs.
+        q = query.index_select(0, p.tok).view(r, p.w, kvh, g, d).transpose(1, 2)  # [R, kvh, W, G, D]
+        b["q"].view(r, kvh, p.nb, p.w, g, d).copy_(q.unsqueeze(2).expand(r, kvh, p.nb, p.w, g, d))
+        if b["q"].dtype == torch.float32:
+            logits = torch.bmm(b["q"], kt, out=b["logits"])  # [N, W*G, bs]
+        else:
+            logits = torch.bmm(b["q"], kt, out_dtype=torch.float32)
+        logits = logits.view(r, kvh, p.nb, p.w, g, bs).permute(0, 1, 3, 4, 2, 5)  # [R, kvh, W, G, NB, bs]
+        # One pass: * scale, -inf where not attended, and each row's keys made contiguous for the softmax.
+        torch.add(p.bias, logits, alpha=scale, out=b["masked"])
+        probs = torch.softmax(b["masked"].view(r, kvh, p.w, g, p.nb * bs), dim=-1)
         if self._w5 is None:
             self._w5 = probs
         else:
             self._w5.add_(probs)
         self._layers += 1
         self._heads = heads
+
+    def _buffers(self, n: int, r: int, kvh: int, g: int, d: int, chunk: tuple, kv_dtype) -> dict[str, torch.Tensor]:
+        """This step's work tensors, reused by every layer (fresh ones per layer cost page faults on CPU)."""
+        p, bs, dev = self._plan, self.block_size, self.device
+        half = kv_dtype != torch.float32
+        compute = kv_dtype if half and self._fp32_out_bmm else torch.float32
+        buf = {
+            "k": torch.empty(n, *chunk, dtype=kv_dtype, device=dev),  # one (block, kv head) in memory order
+            "q": torch.empty(n, p.w * g, d, dtype=compute, device=dev),
+            "logits": torch.empty(n, p.w * g, bs, dtype=torch.float32, device=dev),
+            "masked": torch.empty(r, kvh, p.w, g, p.nb, bs, dtype=torch.float32, device=dev),
+        }
+        if half and compute == torch.float32:
+            buf["k32"] = torch.empty(n, d, bs, dtype=torch.float32, device=dev)
+        return buf
+
+    def _gather_index(self, blocks: torch.Tensor, kvh: int) -> torch.Tensor:
+        """Rows of the flattened [blocks * kvh, ...] K view for each (row, kv head, block): [R*kvh*NB]."""
+        if self._kidx is None:
+            heads = torch.arange(kvh, device=blocks.device)
+            self._kidx = (blocks[:, None, :] * kvh + heads[None, :, None]).flatten()
+        return self._kidx
 
     def end_step(self) -> None:
         """Fold this step's attention into ``attn_sum`` and ``attn_hist`` (after the TP all-reduce)."""
@@ -167,15 +212,15 @@ class AttentionScorer:
         self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
         if w5 is None:
             return
-        w = self.tp.sum_scores(w5.sum((1, 4)))  # [R, K, W]: this rank's heads -> all heads
-        w = w.masked_fill(~p.allowed, 0.0)  # padding queries and keys after each query
-        self._acc.index_add_(0, p.slots, w.sum(2).flatten())
+        w = self.tp.sum_scores(w5.sum((1, 3)))  # [R, W, K]: this rank's heads -> all heads
+        w = w.masked_fill(~p.allowed, 0.0)  # padding queries, and keys after each query
+        self._acc.index_add_(0, p.slots, w.sum(1).flatten())
         share = w / total
-        hot = (share > uniform_share(p.pos + 1)[:, None, :]) & p.allowed
+        hot = (share > uniform_share(p.pos + 1)[:, :, None]) & p.allowed
         keep = p.shift < _HIST_BITS  # a window longer than the register: the oldest bits fall off
-        bits = (hot & keep[:, None, :]).long() << p.shift.clamp(max=_HIST_BITS - 1)[:, None, :]
-        bits = bits.sum(2).flatten()  # distinct powers of two: the sum is the bitwise or
-        shifts = p.allowed.sum(2).flatten()  # queries that attended each key, >= 1 for every real key
+        bits = (hot & keep[:, :, None]).long() << p.shift.clamp(max=_HIST_BITS - 1)[:, :, None]
+        bits = bits.sum(1).flatten()  # distinct powers of two: the sum is the bitwise or
+        shifts = p.allowed.sum(1).flatten()  # queries that attended each key, >= 1 for every real key
         old = self._hist[p.slots]
         old = torch.where(shifts >= _HIST_BITS, 0, old << shifts.clamp(max=_HIST_BITS - 1))
         self._hist[p.slots] = old | bits
@@ -215,38 +260,33 @@ class AttentionScorer:
         pos = torch.where(real, seq[:, None] - nq[:, None] + j[None, :], seq[:, None] - 1)
         tok = (end[:, None] - seq[:, None] + pos).flatten()  # the row's last token sits at seq - 1
         kpos = torch.arange(nb * bs, device=dev)
-        allowed = (kpos[None, :, None] <= pos[:, None, :] + self._CAUSAL_SLACK) & real[:, None, :]
+        allowed = (kpos[None, None, :] <= pos[:, :, None] + self._CAUSAL_SLACK) & real[:, :, None]
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=dev).masked_fill_(~allowed, -math.inf)
         slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(self._rows), -1)
         slots = torch.where(kpos[None, :] < seq[:, None], slots, self.num_slots).flatten()
         shift = nq[:, None] - 1 - j[None, :]
-        return _StepPlan(tok, blocks, allowed, bias[:, None, :, :, None], slots, pos, shift, seq, w, nb)
+        bias = bias.view(len(self._rows), 1, w, 1, nb, bs)
+        return _StepPlan(tok, blocks, allowed, bias, slots, pos, shift, seq, w, nb)
 
-    def _gather_k(self, kv_cache: torch.Tensor, head_size: int, blocks: torch.Tensor) -> torch.Tensor:
-        """K of the given blocks, whole blocks at a time: [R*kvh*NB, bs, D] (possibly a transposed view)."""
-        k = LAYOUTS[self.layout](kv_cache, self.block_size)[0][..., :head_size]  # [nb, bs, kvh, D]
-        k = k.permute(0, 2, 1, 3)  # [nb, kvh, bs, D]
-        transposed = k.stride(2) == 1 and k.stride(3) != 1  # the CPU layout stores K^T per block
-        src = k.transpose(2, 3) if transposed else k  # copy blocks in their memory order
-        kvh = src.shape[1]
-        heads = torch.arange(kvh, device=blocks.device)
-        try:  # (block, kv head) pairs are one index: a plain index_select of contiguous chunks
-            flat = src.view(src.shape[0] * kvh, *src.shape[2:])
-            out = flat.index_select(0, (blocks[:, None, :] * kvh + heads[None, :, None]).flatten())
-        except RuntimeError:  # a layout whose heads do not nest inside blocks
-            out = src[blocks[:, None, :], heads[None, :, None]].flatten(0, 2)
-        return out.transpose(1, 2) if transposed else out
-
-    def _bmm_f32(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a @ b with fp32 products and accumulation; half-precision KV is never copied to fp32 on CUDA."""
-        if a.dtype == torch.float32:
-            return torch.bmm(a, b.float())
-        if self._out_dtype_bmm:
+    def _k_source(self, kv_cache: torch.Tensor, head_size: int):
+        """One layer's K as [blocks, kvh, X, Y] in memory order ((D, bs) for the CPU layout's stored K^T),
+        flattened to [blocks * kvh, X, Y] when that is a view. Cached per cache tensor: the views hold the
+        tensor's storage, so its address cannot be reused by another tensor while the entry lives."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype, head_size)
+        hit = self._views.get(key)
+        if hit is None:
+            k = LAYOUTS[self.layout](kv_cache, self.block_size)[0][..., :head_size]  # [nb, bs, kvh, D]
+            k = k.permute(0, 2, 1, 3)  # [nb, kvh, bs, D]
+            transposed = k.stride(2) == 1 and k.stride(3) != 1  # the CPU layout stores K^T per block
+            src = k.transpose(2, 3) if transposed else k  # copy blocks in their memory order
             try:
-                return torch.bmm(a, b.to(a.dtype), out_dtype=torch.float32)
-            except (RuntimeError, TypeError):  # this torch build has no fp32-out bmm
-                self._out_dtype_bmm = False
-        return torch.bmm(a.float(), b.float())
+                flat = src.view(src.shape[0] * src.shape[1], *src.shape[2:])
+            except RuntimeError:
+                flat = None
+            if len(self._views) > 4096:  # vLLM's caches live as long as the engine; tests make many
+                self._views.clear()
+            hit = self._views[key] = (src, flat, transposed)
+        return hit
 
 
 def uniform_share(num_attended):
@@ -255,6 +295,17 @@ def uniform_share(num_attended):
     benchmark. For a query at physical position p_q that is p_q + 1, so a decode step (p_q = seq_len - 1)
     is the window's last query; counting live tokens instead would agree only when no slot below p_q is dead."""
     return 1.0 / num_attended
+
+
+def _has_fp32_out_bmm(device: torch.device) -> bool:
+    """Whether this torch multiplies half-precision matrices into an fp32 result on ``device``."""
+    if device.type != "cuda":
+        return False  # torch's CPU bmm has no out_dtype; there the gathered blocks are upcast instead
+    try:
+        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
