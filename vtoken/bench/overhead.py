@@ -108,9 +108,10 @@ def _run_mode(label: str, mode: str, cfg: dict | None, model_dir: str, prompts, 
     }
 
 
-def _spread(xs) -> dict[str, float]:
+def _spread(name: str, xs) -> dict[str, float | list[float]]:
+    """``{name: median, name_range: [min, max]}`` of one figure over the rounds."""
     xs = np.asarray(list(xs), dtype=float)
-    return {"median": float(np.median(xs)), "min": float(xs.min()), "max": float(xs.max())}
+    return {name: float(np.median(xs)), f"{name}_range": [float(xs.min()), float(xs.max())]}
 
 
 def summarise(rounds: list[dict[str, dict]], modes: list[str]) -> dict:
@@ -122,8 +123,8 @@ def summarise(rounds: list[dict[str, dict]], modes: list[str]) -> dict:
         rows.append(
             {
                 "mode": mode,
-                "ms_per_step": _spread(x["ms_per_step"] for x in runs),
-                f"ratio_to_{base}": _spread(r[mode]["ms_per_step"] / r[base]["ms_per_step"] for r in rounds),
+                **_spread("ms_per_step", (x["ms_per_step"] for x in runs)),
+                **_spread(f"ratio_to_{base}", (r[mode]["ms_per_step"] / r[base]["ms_per_step"] for r in rounds)),
                 "compaction_share": float(np.median([x["compaction_seconds"] / x["seconds"] for x in runs])),
                 "move_share": float(np.median([x["move_seconds"] / x["seconds"] for x in runs])),
                 "tokens_moved": int(np.median([x["tokens_moved"] for x in runs])),
@@ -133,8 +134,8 @@ def summarise(rounds: list[dict[str, dict]], modes: list[str]) -> dict:
     if {"vtoken-h2o", "vtoken-streaming"} <= set(modes):
         h2o = [r["vtoken-h2o"]["ms_per_step"] for r in rounds]
         stream = [r["vtoken-streaming"]["ms_per_step"] for r in rounds]
-        out["scoring_share"] = _spread((h - s) / h for h, s in zip(h2o, stream))
-        out["h2o_over_streaming"] = _spread(h / s for h, s in zip(h2o, stream))
+        out.update(_spread("scoring_share", ((h - s) / h for h, s in zip(h2o, stream))))
+        out.update(_spread("h2o_over_streaming", (h / s for h, s in zip(h2o, stream))))
     return out
 
 
@@ -252,9 +253,10 @@ def run(args) -> dict:
     }
 
 
-def _fmt(s: dict, pct: bool = False, fmt: str = ".1f") -> str:
+def _fmt(d: dict, name: str, pct: bool = False, fmt: str = ".1f") -> str:
     f = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: format(x, fmt))
-    return f"{f(s['median'])} [{f(s['min'])}, {f(s['max'])}]"
+    lo, hi = d[f"{name}_range"]
+    return f"{f(d[name])} [{f(lo)}, {f(hi)}]"
 
 
 def tables(result: dict) -> list[Table]:
@@ -262,8 +264,8 @@ def tables(result: dict) -> list[Table]:
     rows = [
         [
             r["mode"],
-            _fmt(r["ms_per_step"]),
-            _fmt(r[f"ratio_to_{base}"], fmt=".3f"),
+            _fmt(r, "ms_per_step"),
+            _fmt(r, f"ratio_to_{base}", fmt=".3f"),
             f"{100 * r['compaction_share']:.2f}%",
             f"{100 * r['move_share']:.2f}%",
             r["tokens_moved"],
@@ -276,8 +278,8 @@ def tables(result: dict) -> list[Table]:
     )
     if "scoring_share" in result:
         note += (
-            f" Attention scoring, (h2o - streaming) / h2o at the same budget: {_fmt(result['scoring_share'], True)}"
-            f" of h2o's step; h2o / streaming: x{_fmt(result['h2o_over_streaming'], fmt='.3f')}."
+            f" Attention scoring, (h2o - streaming) / h2o at the same budget: {_fmt(result, 'scoring_share', True)}"
+            f" of h2o's step; h2o / streaming: x{_fmt(result, 'h2o_over_streaming', fmt='.3f')}."
         )
     s = result["scorer"]
     scorer_rows = [
@@ -323,10 +325,10 @@ def tables(result: dict) -> list[Table]:
 def plot(result: dict, fig) -> None:
     ax1, ax2 = fig.subplots(1, 2)
     rows = result["rows"]
-    med = [r["ms_per_step"]["median"] for r in rows]
+    med = [r["ms_per_step"] for r in rows]
     err = [
-        [m - r["ms_per_step"]["min"] for m, r in zip(med, rows)],
-        [r["ms_per_step"]["max"] - m for m, r in zip(med, rows)],
+        [m - r["ms_per_step_range"][0] for m, r in zip(med, rows)],
+        [r["ms_per_step_range"][1] - m for m, r in zip(med, rows)],
     ]
     ax1.bar([r["mode"] for r in rows], med, yerr=err, color="tab:blue", capsize=4)
     ax1.set(ylabel="ms per decode step (median, min-max)", title=f"vToken overhead on {result['model']}")
