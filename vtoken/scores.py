@@ -134,8 +134,7 @@ class AttentionScorer:
         self._rows, self._nq = rows, n_queries
         self._plan: _StepPlan | None = None
         self._w5: torch.Tensor | None = None  # [R, kvh, W, G, K] probabilities summed over layers
-        self._buf: dict[str, torch.Tensor] | None = None  # this step's work tensors (see _buffers)
-        self._kidx: torch.Tensor | None = None  # [R*kvh*NB] (block, kv head) rows of the K gather
+        self._work: dict | None = None  # this step's gather indices and work tensors (see _make_work)
         self._layers = self._heads = 0  # layers observed this step, query heads per layer on this rank
 
     def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float) -> None:
@@ -148,62 +147,70 @@ class AttentionScorer:
             return
         if self._plan is None:
             self._plan = self._make_plan(attn_metadata)
-        p = self._plan
-        r, heads, d, bs = len(self._rows), query.shape[1], query.shape[2], self.block_size
-        src, flat, stored_kt = self._k_source(kv_cache, d)
-        kvh = src.shape[1]
-        g, n = heads // kvh, r * kvh * p.nb
-        if self._buf is None:
-            self._buf = self._buffers(n, r, kvh, g, d, tuple(src.shape[2:]), kv_cache.dtype)
-        b = self._buf
+        src, flat, stored_kt = self._k_source(kv_cache, query.shape[2])
+        if self._work is None:
+            self._work = self._make_work(query, src, kv_cache.dtype)
+        wk, kvh = self._work, src.shape[1]
         # K (stored K^T on CPU) of every observed row's blocks: one gather of whole (block, kv head) chunks.
         if flat is not None:
-            kt = torch.index_select(flat, 0, self._gather_index(p.blocks, kvh), out=b["k"])
+            kt = torch.index_select(flat, 0, wk["kidx"], out=wk["k"])
         else:  # a layout whose heads do not nest inside blocks
-            heads_idx = torch.arange(kvh, device=self.device)
-            kt = src[p.blocks[:, None, :], heads_idx[None, :, None]].flatten(0, 2)
+            kt = src[wk["blocks"], torch.arange(kvh, device=self.device)[None, :, None]].flatten(0, 2)
         kt = kt if stored_kt else kt.transpose(1, 2)  # [N, D, bs]
-        if "k32" in b:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered blocks
-            kt = b["k32"].copy_(kt)
-        # q of each (row, kv head), repeated for each of the row's blocks: the one copy a block-batched bmm needs.
-        q = query.index_select(0, p.tok).view(r, p.w, kvh, g, d).transpose(1, 2)  # [R, kvh, W, G, D]
-        b["q"].view(r, kvh, p.nb, p.w, g, d).copy_(q.unsqueeze(2).expand(r, kvh, p.nb, p.w, g, d))
-        if b["q"].dtype == torch.float32:
-            logits = torch.bmm(b["q"], kt, out=b["logits"])  # [N, W*G, bs]
+        if "k32" in wk:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered blocks
+            kt = wk["k32"].copy_(kt)
+        # q of each (row, kv head), repeated for each of the row's blocks (the one copy a block-batched bmm
+        # needs): the observed tokens' rows, then their (token, kv head) rows in the bmm's layout
+        # [R, kvh, NB, W, G*D] = [N, W*G, D]; two plain index_selects (advanced indexing costs 4x here).
+        q = torch.index_select(query, 0, self._plan.tok)  # [R*W, heads, D], contiguous
+        q = q.view(-1, q.shape[1] * q.shape[2] // kvh)
+        if q.dtype == wk["compute"]:
+            q = torch.index_select(q, 0, wk["qidx"], out=wk["q"])
         else:
-            logits = torch.bmm(b["q"], kt, out_dtype=torch.float32)
-        logits = logits.view(r, kvh, p.nb, p.w, g, bs).permute(0, 1, 3, 4, 2, 5)  # [R, kvh, W, G, NB, bs]
+            q = torch.index_select(q, 0, wk["qidx"]).to(wk["compute"])
+        q = q.view(kt.shape[0], -1, query.shape[2])
+        if q.dtype == torch.float32:
+            torch.bmm(q, kt, out=wk["logits"])  # [N, W*G, bs], seen as [R, kvh, W, G, NB, bs] by "logits6"
+        else:
+            wk["logits"].copy_(torch.bmm(q, kt, out_dtype=torch.float32))
         # One pass: * scale, -inf where not attended, and each row's keys made contiguous for the softmax.
-        torch.add(p.bias, logits, alpha=scale, out=b["masked"])
-        probs = torch.softmax(b["masked"].view(r, kvh, p.w, g, p.nb * bs), dim=-1)
+        torch.add(self._plan.bias, wk["logits6"], alpha=scale, out=wk["masked"])
+        probs = torch.softmax(wk["masked5"], dim=-1)  # [R, kvh, W, G, K]
         if self._w5 is None:
             self._w5 = probs
         else:
             self._w5.add_(probs)
         self._layers += 1
-        self._heads = heads
+        self._heads = query.shape[1]
 
-    def _buffers(self, n: int, r: int, kvh: int, g: int, d: int, chunk: tuple, kv_dtype) -> dict[str, torch.Tensor]:
-        """This step's work tensors, reused by every layer (fresh ones per layer cost page faults on CPU)."""
+    def _make_work(self, query: torch.Tensor, src: torch.Tensor, kv_dtype) -> dict:
+        """This step's gather indices and work tensors, made at its first layer and reused by every layer
+        (fresh tensors per layer cost page faults on CPU; per-layer index arithmetic costs dispatches)."""
         p, bs, dev = self._plan, self.block_size, self.device
+        r, kvh, d = len(self._rows), src.shape[1], query.shape[2]
+        g, n = query.shape[1] // kvh, r * kvh * p.nb
         half = kv_dtype != torch.float32
         compute = kv_dtype if half and self._fp32_out_bmm else torch.float32
-        buf = {
-            "k": torch.empty(n, *chunk, dtype=kv_dtype, device=dev),  # one (block, kv head) in memory order
-            "q": torch.empty(n, p.w * g, d, dtype=compute, device=dev),
-            "logits": torch.empty(n, p.w * g, bs, dtype=torch.float32, device=dev),
-            "masked": torch.empty(r, kvh, p.w, g, p.nb, bs, dtype=torch.float32, device=dev),
+        heads = torch.arange(kvh, device=dev)
+        logits = torch.empty(n, p.w * g, bs, dtype=torch.float32, device=dev)
+        masked = torch.empty(r, kvh, p.w, g, p.nb, bs, dtype=torch.float32, device=dev)
+        work = {
+            "compute": compute,
+            "blocks": p.blocks[:, None, :],
+            "kidx": (p.blocks[:, None, :] * kvh + heads[None, :, None]).flatten(),  # rows of [blocks * kvh, ...]
+            "k": torch.empty(n, *src.shape[2:], dtype=kv_dtype, device=dev),  # (block, kv head) in memory order
+            "qidx": (torch.arange(r * p.w, device=dev).view(r, 1, 1, p.w) * kvh + heads.view(1, kvh, 1, 1))
+            .expand(r, kvh, p.nb, p.w)
+            .flatten(),  # row (r * W + w) * kvh + h of the observed queries' [R*W*kvh, G*D] view
+            "q": torch.empty(n * p.w, g * d, dtype=compute, device=dev),
+            "logits": logits,
+            "logits6": logits.view(r, kvh, p.nb, p.w, g, bs).permute(0, 1, 3, 4, 2, 5),
+            "masked": masked,
+            "masked5": masked.view(r, kvh, p.w, g, p.nb * bs),
         }
         if half and compute == torch.float32:
-            buf["k32"] = torch.empty(n, d, bs, dtype=torch.float32, device=dev)
-        return buf
-
-    def _gather_index(self, blocks: torch.Tensor, kvh: int) -> torch.Tensor:
-        """Rows of the flattened [blocks * kvh, ...] K view for each (row, kv head, block): [R*kvh*NB]."""
-        if self._kidx is None:
-            heads = torch.arange(kvh, device=blocks.device)
-            self._kidx = (blocks[:, None, :] * kvh + heads[None, :, None]).flatten()
-        return self._kidx
+            work["k32"] = torch.empty(n, d, bs, dtype=torch.float32, device=dev)
+        return work
 
     def end_step(self) -> None:
         """Fold this step's attention into ``attn_sum`` and ``attn_hist`` (after the TP all-reduce)."""
