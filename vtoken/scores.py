@@ -190,7 +190,7 @@ class AttentionScorer:
         r, kvh, d = len(self._rows), src.shape[1], query.shape[2]
         g, n = query.shape[1] // kvh, r * kvh * p.nb
         half = kv_dtype != torch.float32
-        compute = kv_dtype if half and self._fp32_out_bmm else torch.float32
+        compute = kv_dtype if half and self._fp32_out_bmm and query.dtype == kv_dtype else torch.float32
         heads = torch.arange(kvh, device=dev)
         logits = torch.empty(n, p.w * g, bs, dtype=torch.float32, device=dev)
         masked = torch.empty(r, kvh, p.w, g, p.nb, bs, dtype=torch.float32, device=dev)
