@@ -102,7 +102,7 @@ class AttentionScorer:
         self._acc = torch.zeros(num_slots + 1, dtype=torch.float32, device=self.device)
         self._hist = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.acc, self.hist = self._acc[:num_slots], self._hist[:num_slots]
-        self._fp32_out_bmm = _has_fp32_out_bmm(self.device)  # fp16/bf16 x fp16/bf16 -> fp32 in one bmm
+        self._fp32_out_bmm: dict[torch.dtype, bool] = {}  # per half dtype: has torch an fp32-output bmm here?
         self._views: dict[tuple, tuple] = {}  # per KV cache tensor: its K views (see _k_source)
         self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
         self.rows: np.ndarray = np.empty(0, np.int64)  # rows observed in the last finished step
@@ -190,7 +190,10 @@ class AttentionScorer:
         r, kvh, d = len(self._rows), src.shape[1], query.shape[2]
         g, n = query.shape[1] // kvh, r * kvh * p.nb
         half = kv_dtype != torch.float32
-        compute = kv_dtype if half and self._fp32_out_bmm and query.dtype == kv_dtype else torch.float32
+        if half and kv_dtype not in self._fp32_out_bmm:
+            self._fp32_out_bmm[kv_dtype] = _has_fp32_out_bmm(dev, kv_dtype)
+        fp32_out = half and self._fp32_out_bmm[kv_dtype] and query.dtype == kv_dtype
+        compute = kv_dtype if fp32_out else torch.float32
         heads = torch.arange(kvh, device=dev)
         logits = torch.empty(n, p.w * g, bs, dtype=torch.float32, device=dev)
         masked = torch.empty(r, kvh, p.w, g, p.nb, bs, dtype=torch.float32, device=dev)
@@ -304,12 +307,12 @@ def uniform_share(num_attended):
     return 1.0 / num_attended
 
 
-def _has_fp32_out_bmm(device: torch.device) -> bool:
-    """Whether this torch multiplies half-precision matrices into an fp32 result on ``device``."""
+def _has_fp32_out_bmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch multiplies ``dtype`` matrices into an fp32 result on ``device`` (no sync)."""
     if device.type != "cuda":
         return False  # torch's CPU bmm has no out_dtype; there the gathered blocks are upcast instead
     try:
-        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
+        a = torch.ones(1, 1, 1, dtype=dtype, device=device)
         return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError):
         return False
