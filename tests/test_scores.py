@@ -34,8 +34,9 @@ def test_fast_scorer_equals_reference_with_compaction(layout):
     assert_same_stats(sim, fast, ref)
 
 
-def test_bf16_kv_is_scored_in_fp32():
-    sim, fast, ref = run(dtype=torch.bfloat16, steps=5)
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_bf16_kv_is_scored_in_fp32(layout):
+    sim, fast, ref = run(layout=layout, dtype=torch.bfloat16, steps=5)
     assert_same_stats(sim, fast, ref)
 
 
