@@ -44,6 +44,7 @@ def perplexity(model, ids: list[int], ctx: int, policy) -> float:
     import torch
 
     from vtoken.policies import ATTN_HIST, ATTN_SUM, PolicyInput
+    from vtoken.scores import uniform_share
 
     t_eval = len(ids) - ctx
     live = np.ones(len(ids), dtype=bool)
@@ -75,7 +76,10 @@ def perplexity(model, ids: list[int], ctx: int, policy) -> float:
                 w = _stats(out.attentions)
                 acc[: n + 1] += w
                 share = w / (len(out.attentions) * out.attentions[0].shape[1])
-                hot = (share > 1.0 / live[: n + 1].sum()).astype(np.int64)
+                # The scorer's one definition (vtoken.scores.uniform_share): 1 / the keys this query attends
+                # to, itself included. Here those are the live tokens up to it (the mask hides the dead),
+                # which is what the engine's physical causal length p_q + 1 counts once dead slots are packed.
+                hot = (share > uniform_share(live[: n + 1].sum())).astype(np.int64)
                 hist[: n + 1] = (hist[: n + 1] << 1) | hot
             cache, logits, n, decoded = out.past_key_values, out.logits[0, -1], n + 1, decoded + 1
     return float(np.mean(nll))

@@ -4,10 +4,11 @@ With TP every rank holds a slice of the heads of the SAME blocks, so the schedul
 (``VTokenStep``, broadcast to every worker by vLLM) is correct on every rank as it stands. Two things must
 agree across ranks, and this module is where they are made to:
 
-  * the attention statistics: each rank sees only its own heads' attention, so the per-slot weights of a
-    step are summed over the TP group (one all-reduce of ``4 * sum(seq_len of decode requests)`` bytes)
-    before they are folded into ``attn_sum`` / ``attn_hist``; every rank then holds the same statistics.
-    The exchange runs only when a scorer exists (the policy needs scores) and a request decodes.
+  * the attention statistics: each rank sees only its own heads' attention, so a step's per-(query, key)
+    weights are summed over the TP group before they are folded into ``attn_sum`` / ``attn_hist`` (one
+    all-reduce of ``4 * rows * max(n_queries) * padded keys`` bytes: the scorer's [R, W, NB * block_size]
+    float32 buffer, padded alike on every rank because every rank sees the same metadata); every rank then
+    holds the same statistics. It runs only when the scorer observes rows that step (``begin_step``).
   * the application of a plan: after applying a step's moves every rank reports ok / failed to the others
     (an all-gather of one int32 per rank over the group's CPU side). If any rank failed, EVERY rank raises
     the same error, so vLLM's executor sees the output rank fail and the engine stops, instead of ranks
@@ -41,7 +42,7 @@ class ExchangeStats:
     end of the collective, because the statistics are read right after it)."""
 
     score_steps: int = 0
-    score_bytes: int = 0  # all-reduce payload: 4 bytes per decode slot per step
+    score_bytes: int = 0  # all-reduce payload: 4 bytes per (observed query, padded key) per step
     score_seconds: float = 0.0
     check_steps: int = 0
     check_bytes: int = 0  # status all-gather payload: 4 bytes per rank per step with a plan
@@ -119,7 +120,7 @@ class TensorParallel:
 
     # ------------------------------------------------------------ attention statistics
     def sum_scores(self, w: torch.Tensor) -> torch.Tensor:
-        """Per-slot attention weights of this step's decode slots (this rank's heads) -> all heads."""
+        """This step's attention weights per (observed query, key), this rank's heads -> all heads."""
         if self.world == 1 or self.fault == "scores_rank0_only":  # the fault is a negative control
             return w
         t0 = time.perf_counter()
