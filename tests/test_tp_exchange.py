@@ -26,9 +26,10 @@ from scores_sim import ScoreSim, assert_same_stats, batch, compare
 
 from vtoken.mover import MoveBatch
 from vtoken.scores_reference import ReferenceScorer
+from vtoken.vllm_adapter.faults import FaultyTensorParallel
 from vtoken.vllm_adapter.messages import empty_step
 from vtoken.vllm_adapter.scores import AttentionScorer
-from vtoken.vllm_adapter.tp import PlanFailedError, TensorParallel
+from vtoken.vllm_adapter.tp import PlanFailedError
 
 
 class GlooGroup:
@@ -108,7 +109,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     result = {}
     try:
         with gloo_world(rank, world, init):
-            tp = TensorParallel(GlooGroup(rank, world))
+            tp = FaultyTensorParallel(GlooGroup(rank, world))
             w = torch.full((5,), float(rank + 1))
             result["sum"] = tp.sum_scores(w.clone()).tolist()
             tp.fault = "scores_rank0_only"
@@ -162,7 +163,7 @@ def _scores_rank(rank: int, world: int, init: str, out: str, fault: str | None) 
     result = {}
     try:
         with gloo_world(rank, world, init):
-            tp = TensorParallel(GlooGroup(rank, world), fault)
+            tp = FaultyTensorParallel(GlooGroup(rank, world), fault)
             sim = ScoreSim([], batch(), rank=rank, world=world)
             sim.scorers = [AttentionScorer(sim.kv[0].shape[0] * sim.bs, sim.bs, "cpu", torch.device("cpu"), tp)]
             result["heads"] = (sim.kv[0].shape[1], sim.q_heads)

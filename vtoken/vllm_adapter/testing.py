@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: F401  (the CPU build always has it)
 
 from vtoken.compactor import StepPlan
 from vtoken.mover import MoveBatch
@@ -24,10 +23,9 @@ from vtoken.planner import to_global_slots
 from vtoken.vllm_adapter import engine as engine_mod
 from vtoken.vllm_adapter.config import VTokenConfig
 from vtoken.vllm_adapter.engine import TESTING_KEY
+from vtoken.vllm_adapter.faults import FAULTS, FaultyTensorParallel
 from vtoken.vllm_adapter.scheduler import VTokenScheduler
 from vtoken.vllm_adapter.worker import VTokenCPUWorker, gpu_worker_cls
-
-FAULTS = ("skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only")
 
 
 class Knobs(BaseModel):
@@ -120,7 +118,7 @@ class TestingRunnerMixin:
     def _vt_setup(self) -> None:
         super()._vt_setup()
         self.vt_knobs = Knobs.from_vllm(self.vllm_config)
-        self.vt_tp.fault = self.vt_knobs.fault  # tensor-parallel faults live in tp.TensorParallel
+        self.vt_tp = FaultyTensorParallel(self.vt_tp.group, self.vt_knobs.fault)  # before the scorer takes it
 
     def _vt_move(self, step) -> None:
         if self.vt_knobs.fault != "skip_moves":

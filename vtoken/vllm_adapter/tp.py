@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-FAULTS = ("fail_rank1_moves", "scores_rank0_only")
-
 
 class PlanFailedError(RuntimeError):
     """A tensor-parallel rank could not apply a compaction plan; the engine must stop."""
@@ -66,21 +64,20 @@ class TensorParallel:
     collectives matched.
     """
 
-    def __init__(self, group=None, fault: str | None = None) -> None:
+    def __init__(self, group=None) -> None:
         self.group = group
         self.world = group.world_size if group is not None else 1
         self.rank = group.rank_in_group if group is not None else 0
-        self.fault = fault
         self.step = 0
         self.stats = ExchangeStats()
 
     @classmethod
-    def current(cls, fault: str | None = None) -> TensorParallel:
+    def current(cls, **kwargs) -> TensorParallel:
         """vLLM's TP group of this worker process (absent outside a vLLM worker: a world of one)."""
         from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
         group = get_tp_group() if model_parallel_is_initialized() else None
-        return cls(group if group is not None and group.world_size > 1 else None, fault)
+        return cls(group if group is not None and group.world_size > 1 else None, **kwargs)
 
     @property
     def backend(self) -> str:
@@ -121,7 +118,7 @@ class TensorParallel:
     # ------------------------------------------------------------ attention statistics
     def sum_scores(self, w: torch.Tensor) -> torch.Tensor:
         """This step's attention weights per (observed query, key), this rank's heads -> all heads."""
-        if self.world == 1 or self.fault == "scores_rank0_only":  # the fault is a negative control
+        if self.world == 1:
             return w
         t0 = time.perf_counter()
         out = self.group.all_reduce(w.contiguous())
@@ -144,8 +141,6 @@ class TensorParallel:
             return
         error: BaseException | None = None
         try:
-            if self.fault == "fail_rank1_moves" and self.rank == 1:
-                raise RuntimeError("injected fault (VTokenConfig.fault='fail_rank1_moves')")
             yield
         except Exception as e:  # reported to every rank below, then raised everywhere
             error = e
