@@ -19,8 +19,9 @@ import numpy as np
 
 # Names of the per-token statistics an engine can provide (aligned with PolicyInput.live).
 ATTN_SUM = "attn_sum"  # float: attention weight the token received, summed over heads, layers, steps
-ATTN_HIST = "attn_hist"  # int64 bit register: bit j set if, j decode steps ago, the token's attention
-# exceeded the uniform share 1 / num_live (bit 0 = the latest step)
+ATTN_HIST = "attn_hist"  # int64 bit register: bit j set if, j observed queries ago, the token's share of that
+# query's attention exceeded the uniform share 1 / (keys the query attends to) (bit 0 = the latest query; a
+# decode step is one query, a prefill chunk's observation window several; see vtoken/scores.py)
 
 
 class PolicyInput(NamedTuple):
