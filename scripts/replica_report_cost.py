@@ -46,7 +46,7 @@ def direct(args, folder: str, cfg) -> dict:
     from vllm.inputs import TokensPrompt
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from vtoken.vllm_adapter import open_llm
+    from vtoken.vllm_adapter import open_llm, pool_report, vtoken_stats
 
     with open_llm(folder, cfg, **engine_args(args)) as llm:
         if args.finished:
@@ -59,20 +59,19 @@ def direct(args, folder: str, cfg) -> dict:
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         for i in range(args.running):
             eng.add_request(f"run-{i}", TokensPrompt(prompt_token_ids=[7 + i % 90] * args.prompt_tokens), params)
-        core = eng.engine_core.engine_core
         for _ in range(40):  # prefill everything and decode past the budget, so eviction has happened
             eng.step()
-        report = core.vtoken_pool_report()
+        report = pool_report(llm)
         assert report.running == args.running, report
-        out = {"running": report.running, "finished_records": len(core.vtoken_stats()["finished_requests"])}
+        out = {"running": report.running, "finished_records": len(vtoken_stats(llm)["finished_requests"])}
         times: dict[str, list[float]] = {"vtoken_stats": [], "pool_report": []}
         for _ in range(args.calls):
-            for name, fn in (("vtoken_stats", core.vtoken_stats), ("pool_report", core.vtoken_pool_report)):
+            for name, fn in (("vtoken_stats", lambda: vtoken_stats(llm)), ("pool_report", lambda: pool_report(llm))):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
         enc, dec = MsgpackEncoder(), MsgpackDecoder()
-        for name, fn in (("vtoken_stats", core.vtoken_stats), ("pool_report", core.vtoken_pool_report)):
+        for name, fn in (("vtoken_stats", lambda: vtoken_stats(llm)), ("pool_report", lambda: pool_report(llm))):
             payload, wire = fn(), []
             for _ in range(args.calls):  # what the RPC adds: serialise in the EngineCore, parse in the replica
                 t0 = time.perf_counter()

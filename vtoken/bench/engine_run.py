@@ -93,7 +93,9 @@ class Engine:
 
     @property
     def total_blocks(self) -> int:
-        return self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks - 1
+        from vtoken.vllm_adapter import pool_blocks
+
+        return pool_blocks(self.llm)
 
     def batch(
         self, prompts: list[list[int]], max_tokens: int, options: list[dict | None] | None = None, warmup: bool = False

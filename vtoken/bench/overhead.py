@@ -63,6 +63,8 @@ def _stock_batch(model_dir: str, prompts, m: int, kw: dict):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vtoken.vllm_adapter import shutdown_llm
+
     log("[stock] starting vLLM ...")
     llm = LLM(
         model=model_dir,
@@ -83,7 +85,7 @@ def _stock_batch(model_dir: str, prompts, m: int, kw: dict):
         )
         seconds = time.perf_counter() - t0
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(llm)
     steps = [step_seconds(o.metrics.first_token_ts, o.metrics.last_token_ts, len(o.outputs[0].token_ids)) for o in outs]
     return seconds, float(np.mean(steps)), {}
 

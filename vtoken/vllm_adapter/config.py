@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import collections
+import json
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vtoken.policies import EvictionPolicy, make_policy
 
+logger = logging.getLogger(__name__)
 CONFIG_KEY = "vtoken"
 # What one request may choose for itself, in ``SamplingParams(extra_args={"vtoken": {...}})``.
 REQUEST_KEYS = frozenset(
@@ -121,6 +125,37 @@ class VTokenConfig(BaseModel):
 
     def model_post_init(self, _ctx: Any) -> None:
         self.make_policy()  # validate the policy parameters now, in the user's process
+
+
+class RequestConfigs:
+    """Each request's own config (``SamplingParams.extra_args["vtoken"]``) and the policy it makes, cached by
+    option set with a bound: a server whose clients send many different option sets must not grow without end.
+
+    An option set this engine cannot honour is logged and answered with the engine's own config: raising in the
+    scheduler would stop the engine for every request (clients validate with ``request_args`` first)."""
+
+    def __init__(self, engine: VTokenConfig, maxsize: int = 256) -> None:
+        self.engine, self.maxsize = engine, maxsize
+        self._cache: collections.OrderedDict[str, tuple[EvictionPolicy, VTokenConfig]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get(self, options: dict[str, Any] | None, request_id: str = "") -> tuple[EvictionPolicy, VTokenConfig]:
+        key = json.dumps(options, sort_keys=True) if options else ""
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        try:
+            cfg = self.engine.for_request(options)
+        except (ValueError, TypeError) as e:
+            logger.error("vtoken: request %s: %s; using the engine's policy", request_id, e)
+            cfg = self.engine
+        hit = self._cache[key] = (cfg.make_policy(), cfg)
+        if len(self._cache) > self.maxsize:
+            self._cache.popitem(last=False)
+        return hit
 
 
 def request_args(**overrides: Any) -> dict[str, Any]:

@@ -100,6 +100,11 @@ def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: An
     return LLM(model=model, **engine_kwargs(vtoken, **kwargs))
 
 
+def pool_blocks(llm) -> int:
+    """Usable KV blocks of an ``LLM``'s pool (vLLM reserves one null block: vllm/v1/core/block_pool.py)."""
+    return llm.llm_engine.vllm_config.cache_config.num_gpu_blocks - 1
+
+
 def shutdown_llm(llm) -> None:
     """Stop an ``LLM``'s engine (its EngineCore process and workers, or the in-process core) now, rather than
     when the garbage collector gets to it: vllm/v1/engine/core_client.py EngineCoreClient.shutdown."""

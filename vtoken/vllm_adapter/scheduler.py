@@ -17,7 +17,6 @@ Everything here touches vLLM 0.32.0 private internals; each override names what 
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time
@@ -28,18 +27,17 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vtoken.compactor import Compactor, Progress, StepPlan
 from vtoken.records import RequestRecord
 from vtoken.replay import request_seed
-from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
+from vtoken.vllm_adapter.config import CONFIG_KEY, RequestConfigs, VTokenConfig
 from vtoken.vllm_adapter.messages import PoolReport, VTokenStep, VTokenWorkerOutput
 
 logger = logging.getLogger(__name__)
-POLICY_CACHE = 256  # distinct per-request option sets whose policy objects are kept (LRU)
 
 
 class VTokenScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.vt = VTokenConfig.from_vllm(vllm_config)
-        self.vt_policies: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.vt_policies = RequestConfigs(self.vt)
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
             raise ValueError(
@@ -171,24 +169,9 @@ class VTokenScheduler(Scheduler):
 
     def _policy_for(self, request):
         """The request's own options (``SamplingParams.extra_args["vtoken"]``, see config.request_args) or the
-        engine's, and the policy they make. Clients validate with request_args; an option this engine cannot
-        honour is logged and the engine's config used: an exception here would stop the engine for everyone."""
+        engine's, and the policy they make (config.RequestConfigs: cached, bounded, never raises)."""
         extra = getattr(request.sampling_params, "extra_args", None) or {}
-        options = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-        key = json.dumps(options, sort_keys=True) if options else ""
-        hit = self.vt_policies.get(key)
-        if hit is None:
-            try:
-                cfg = self.vt.for_request(options)
-            except (ValueError, TypeError) as e:
-                logger.error("vtoken: request %s: %s; using the engine's policy", request.request_id, e)
-                cfg = self.vt
-            hit = self.vt_policies[key] = (cfg.make_policy(), cfg)
-            if len(self.vt_policies) > POLICY_CACHE:  # bounded: clients may send any number of option sets
-                self.vt_policies.popitem(last=False)
-        else:
-            self.vt_policies.move_to_end(key)
-        return hit
+        return self.vt_policies.get(extra.get(CONFIG_KEY) if isinstance(extra, dict) else None, request.request_id)
 
     # ---------------------------------------------------------------- worker output, request end
     def update_from_output(self, scheduler_output, model_runner_output):
