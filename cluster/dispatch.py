@@ -181,7 +181,7 @@ def failure(chunk: Chunk | None, replica: str) -> tuple[str, str]:
 
 
 def internal_message(client_id: str, rid: str) -> str:
-    which = f"request {client_id!r} (server id {rid})" if client_id else f"request {rid}"
+    which = f"request {client_id!r} (server id {rid})" if client_id else f"a request (server id {rid})"
     return f"internal error serving {which}; the server log has the details"
 
 

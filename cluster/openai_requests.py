@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.exceptions import VLLMClientError
 
 from cluster.config import ServeConfig
 from cluster.requests import BadRequest, ValidRequest, check_length, sampling, vtoken_options
@@ -108,8 +109,10 @@ def _model(cls, body: dict[str, Any]):
         loc = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or _is_field(p))
         msg = err["msg"].removeprefix("Value error, ")
         raise BadRequest(f"{loc}: {msg}" if loc else msg, loc or None) from None
-    except ValueError as e:  # vLLM's own checks in its validators (VLLMValidationError)
-        raise BadRequest(str(e).splitlines()[0], getattr(e, "parameter", None)) from None
+    except (VLLMClientError, ValueError) as e:  # vLLM's own checks in its validators (VLLMValidationError)
+        param = getattr(e, "parameter", None)
+        msg = str(e.args[0] if e.args else e).splitlines()[0]
+        raise BadRequest(f"{param}: {msg}" if param else msg, param) from None
 
 
 def _is_field(part: Any) -> bool:

@@ -104,9 +104,9 @@ def vtoken_options(options: Any, served: dict[str, Any]) -> Eviction:
         effective = cfg.for_request(options)
     except ValidationError as e:
         errs = e.errors()
+        where = [".".join(["vtoken", *map(str, err["loc"])]) for err in errs]
         raise BadRequest(
-            "; ".join(f"vtoken.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in errs),
-            "vtoken." + ".".join(map(str, errs[0]["loc"])),
+            "; ".join(f"{w}: {err['msg'].removeprefix('Value error, ')}" for w, err in zip(where, errs)), where[0]
         ) from None
     except (ValueError, TypeError, OverflowError) as e:  # the policy's own checks, its parameters
         field = "vtoken.policy" if "policy" in str(e) else "vtoken"
