@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import time
+import warnings
+
+# What keeps vLLM, Ray's workers, PyTorch and transformers quiet: set in this process before any of them is
+# imported, so every process started from here (vLLM's EngineCore and workers, Ray's workers, which inherit
+# the environment) is quiet too. A variable the user set keeps the user's value.
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TQDM_DISABLE": "1",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,11 +33,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet(command: str) -> str:
+    """Library output off the terminal: ERROR and up from vLLM, no Python warnings, and this process's log
+    records in a file (the path returned). Our own progress is printed, and our loggers' warnings still
+    reach stderr."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    warnings.simplefilter("ignore")
+    from vtoken.models import data_dir
+
+    folder = data_dir() / "logs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        handler: logging.Handler = logging.FileHandler(path)
+    except OSError:  # a read-only data dir: keep the records, on stderr
+        path, handler = None, logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    console = logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    console.addFilter(lambda record: record.name.startswith("vtoken"))
+    console.setFormatter(logging.Formatter("vtoken: %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler, console]
+    root.setLevel(logging.INFO)
+    return str(path) if path else "stderr"
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", True) is False:  # commands with a --verbose switch are quiet without it
+        args.log_file = quiet(args.command)
     # stdout carries results (tables, JSON); vLLM's own logging goes to stderr, warnings and up.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
