@@ -34,9 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet(command: str) -> str:
-    """Library output off the terminal: ERROR and up from vLLM, no Python warnings, and this process's log
-    records in a file (the path returned). Our own progress is printed, and our loggers' warnings still
-    reach stderr."""
+    """Library output off the terminal; our own progress and results stay on it. Returns the log file's path.
+
+    * vLLM at ERROR, no Python warnings, PyTorch's and transformers' own switches: through the environment
+      (QUIET_ENV), so every process started from here inherits them;
+    * this process's log records go to the file; our loggers' warnings still reach the terminal;
+    * file descriptor 2 (stderr) goes to the file too, for this process and every child: what no switch
+      reaches lands there (PyTorch's C++ warnings, progress bars, and records a child process logs before vLLM
+      configures its logging, which Python then prints bare). ``sys.stderr`` keeps the terminal, so Python's
+      own messages and tracebacks still show.
+    """
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     warnings.simplefilter("ignore")
@@ -46,18 +53,23 @@ def quiet(command: str) -> str:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        handler: logging.Handler = logging.FileHandler(path)
-    except OSError:  # a read-only data dir: keep the records, on stderr
-        path, handler = None, logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    console = logging.StreamHandler()
+        log = open(path, "a", buffering=1)  # noqa: SIM115 (open for the life of the process)
+    except OSError:  # a read-only data dir: nothing is hidden
+        return "stderr (the data dir is not writable)"
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
+    handler = logging.StreamHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     console.addFilter(lambda record: record.name.startswith("vtoken"))
     console.setFormatter(logging.Formatter("vtoken: %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler, console]
     root.setLevel(logging.INFO)
-    return str(path) if path else "stderr"
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
