@@ -589,3 +589,28 @@ def test_capacity_feed_sends_at_once_then_coalesces_changes_and_stops_polling_wi
     assert got == [10, 7], got
     assert times[1] - times[0] >= 0.29
     assert later == polls and feed.watchers == 0  # no watcher, no polling
+
+
+def test_the_grafana_dashboard_plots_only_series_the_server_exposes():
+    import json
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.engines import Chunk
+    from cluster.metrics import Metrics
+
+    m = Metrics("m")
+    t = m.timer("http", 3)
+    t.chunk("r1", Chunk("x", (1,)))
+    t.chunk("r1", Chunk("y", (2,), True, "stop"))
+    t.done("ok")
+    text = m.render(_snapshot(total_blocks=10)).decode()
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dash = json.loads((ROOT / "configs" / "grafana-vtoken.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\b((?:vllm|vtoken):[a-z_]+)", e)}
+    assert used and used <= exposed, used - exposed
+    assert {"vtoken:blocks_reclaimed", "vllm:kv_cache_usage_perc"} <= {
+        n for t in dash["panels"][0]["targets"] for n in re.findall(r"(?:vllm|vtoken):[a-z_]+", t["expr"])
+    }  # the headline: reclaimed blocks against KV usage, per replica
