@@ -10,6 +10,7 @@ unexpected INTERNAL with the request id (the traceback in the server log).
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import time
@@ -178,7 +179,8 @@ def bind_socket(host: str, port: int, field: str = "gateway.port", flag: str = "
         s.bind(addr)
     except OSError as e:
         s.close()
-        raise PortInUse(host, port, e.strerror.lower() if e.strerror else "in use", field, flag) from None
+        why = "in use" if e.errno == errno.EADDRINUSE else f"not available ({(e.strerror or str(e)).lower()})"
+        raise PortInUse(host, port, why, field, flag) from None
     return s
 
 

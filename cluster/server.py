@@ -78,7 +78,7 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
     gateway = http = None
     try:
         # The HTTP door imports vLLM's protocol models (~10 s): while the replicas start, not after.
-        http_module = asyncio.ensure_future(asyncio.to_thread(_import_http)) if cfg.gateway.http_enabled else None
+        http_module = _import_http() if cfg.gateway.http_enabled else None
         healthy = await ctl.start.remote(start_timeout_s)
         if healthy < cfg.replicas:
             raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started")
@@ -113,10 +113,25 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
             served.final_reports = finals
 
 
-def _import_http():
-    import cluster.http_gateway
+def _import_http() -> asyncio.Future:
+    """cluster.http_gateway, imported in a daemon thread: a Ctrl-C during start-up then exits at once instead of
+    waiting for the import to finish (asyncio.to_thread's threads are joined at exit)."""
+    loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
 
-    return cluster.http_gateway
+    def settle(set_it) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: start-up was interrupted
+            loop.call_soon_threadsafe(lambda: done.done() or set_it())
+
+    def run():
+        try:
+            import cluster.http_gateway as module
+        except BaseException as e:  # handed to the coroutine that awaits the import
+            settle(lambda e=e: done.set_exception(e))
+        else:
+            settle(lambda: done.set_result(module))
+
+    threading.Thread(target=run, name="import-http-gateway", daemon=True).start()
+    return done
 
 
 def check_ports(cfg: ServeConfig) -> None:

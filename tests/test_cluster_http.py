@@ -386,3 +386,72 @@ def test_a_stream_the_server_aborts_mid_way_ends_in_an_error_event():
             got.extend(stream)
         assert "abort" in e.value.message, e.value.message
         assert len(got) < 400
+
+
+def _self_signed(tmp_path):
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
+    """gateway.tls_cert/tls_key apply to the HTTP door too; a port another server holds is PortInUse naming
+    gateway.http_port (we bind the socket ourselves, without SO_REUSEPORT). No Ray: /v1/models needs none."""
+    import asyncio
+    import socket
+
+    from cluster.dispatch import Dispatcher
+    from cluster.gateway import PortInUse
+    from cluster.http_gateway import HttpGateway
+    from cluster.requests import Tokenizer
+
+    cert, key = _self_signed(tmp_path)
+    cfg = config("tls", gateway={"http_port": "any", "tls_cert": cert, "tls_key": key})
+
+    async def go():
+        gw = HttpGateway(cfg, None, Tokenizer(None), Dispatcher(cfg, None))
+        port = await gw.start()
+        try:
+            async with httpx.AsyncClient(verify=cert) as c:
+                r = await c.get(f"https://127.0.0.1:{port}/v1/models", timeout=10)
+                assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake"
+            async with httpx.AsyncClient() as c:
+                with pytest.raises(httpx.HTTPError):  # clear text is not served
+                    await c.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+            with socket.socket() as held:
+                held.bind(("127.0.0.1", 0))
+                held.listen()
+                busy = config("busy", gateway={"http_port": held.getsockname()[1]})
+                with pytest.raises(PortInUse, match="gateway.http_port: 127.0.0.1:.* is in use"):
+                    await HttpGateway(busy, None, Tokenizer(None), Dispatcher(busy, None)).start()
+        finally:
+            await gw.stop()
+
+    asyncio.run(go())
