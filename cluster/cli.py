@@ -178,7 +178,11 @@ def _serve(args) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     else:
-        print(f"vtoken: library logs go to {args.log_file} (--verbose shows them here)", flush=True)
+        print(
+            f"vtoken: library logs go to {args.log_file}, the replicas' to Ray's session logs "
+            "(/tmp/ray/session_latest/logs by default); --verbose shows them here",
+            flush=True,
+        )
     try:
         return asyncio.run(_serve_async(cfg, args))
     except KeyboardInterrupt:  # while Ray itself was starting, before our handlers were installed

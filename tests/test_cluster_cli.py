@@ -220,5 +220,5 @@ def test_serve_is_quiet_and_speaks_openai_and_grpc(tmp_path):
     noise = [x for x in out.splitlines() if not x.startswith("vtoken: ")]
     assert not noise, out  # nothing but our own lines: no Ray or vLLM warnings, no INFO records
     assert "OpenAI API http://127.0.0.1:" in out and "free blocks after drain" in out
-    log = next(x for x in out.splitlines() if "library logs go to" in x).split(" go to ")[1].split(" (")[0]
+    log = next(x for x in out.splitlines() if "library logs go to" in x).split(" go to ")[1].split(",")[0]
     assert os.path.exists(log) and log.startswith(str(tmp_path / "data")), log
