@@ -12,6 +12,7 @@ Errors cross to the gateway as data, never as exceptions with tracebacks: a requ
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from abc import ABC, abstractmethod
@@ -33,7 +34,8 @@ class EngineDead(RuntimeError):
 @dataclass(frozen=True)
 class GenerateSpec:
     """One request as it crosses from the gateway to a replica: token ids in, sampling as a plain dict
-    of ``vllm.SamplingParams`` fields (temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos).
+    of ``vllm.SamplingParams`` fields (temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos, logprobs,
+    and ``extra_args`` = ``request_args(...)`` when the request chose its own eviction options).
     ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse)."""
 
     request_id: str
@@ -41,9 +43,20 @@ class GenerateSpec:
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
+class TokenLogprob(NamedTuple):
+    """One sampled token's log-probability and, when asked for, the ``top`` alternatives at its position as
+    ``(token_id, token, logprob)``, most likely first. ``-inf`` is clamped to -9999.0 (JSON has no infinity)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
 class Chunk(NamedTuple):
     """A streamed delta; ``error`` and ``code`` (one of ERROR_CODES) are set, and nothing else, when the
-    request failed. ``error`` is one line meant for the client: no traceback, no internals."""
+    request failed. ``error`` is one line meant for the client: no traceback, no internals. ``logprobs`` has
+    one entry per token in ``token_ids`` when the request asked for log-probabilities, else none."""
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
@@ -51,6 +64,7 @@ class Chunk(NamedTuple):
     finish_reason: str = ""
     error: str = ""
     code: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @classmethod
     def failed(cls, code: str, message: str) -> Chunk:
@@ -88,6 +102,10 @@ class Engine(ABC):
     def errored(self) -> bool:
         return False
 
+    async def stats(self) -> dict[str, Any]:
+        """What the engine can tell about the requests it served (tests, debugging); may be empty."""
+        return {}
+
     async def shutdown(self) -> None:
         return None
 
@@ -113,6 +131,9 @@ class FakeEngine(Engine):
         self.live: dict[str, int] = {}
         self.waiting: set[str] = set()
         self.aborted: set[str] = set()
+        # The sampling each request arrived with, last ones first out: tests check what reached the engine
+        # (a real engine's record of the same is vtoken_stats' finished requests).
+        self.seen: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.dead = False
         self._cv = asyncio.Condition()
 
@@ -130,7 +151,9 @@ class FakeEngine(Engine):
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
         if self.dead:
             raise EngineDead("fake engine is dead")
+        self.seen.append({"request_id": spec.request_id, **spec.sampling})
         max_tokens = int(spec.sampling.get("max_tokens") or 16)
+        top = spec.sampling.get("logprobs")
         need = math.ceil((len(spec.prompt_token_ids) + max_tokens) / self.block_size)
         if need > self.total_blocks:
             yield Chunk.failed("invalid_argument", f"request needs {need} blocks, the pool has {self.total_blocks}")
@@ -157,7 +180,9 @@ class FakeEngine(Engine):
                     return
                 self.live[rid] += 1
                 last = i == max_tokens - 1
-                yield Chunk(f" t{i % 97}", (i % 97,), last, "length" if last else "")
+                t = i % 97
+                lp = () if top is None else (fake_logprob(t, top),)
+                yield Chunk(f" t{t}", (t,), last, "length" if last else "", logprobs=lp)
         finally:
             await self._release(rid)
 
@@ -174,6 +199,9 @@ class FakeEngine(Engine):
             if request_id in self.held or request_id in self.waiting:
                 self.aborted.add(request_id)
             self._cv.notify_all()
+
+    async def stats(self) -> dict[str, Any]:
+        return {"requests": list(self.seen)}
 
     async def pool_report(self) -> PoolReport:
         if self.dead:
@@ -198,6 +226,12 @@ class FakeEngine(Engine):
             preemptions_total=0,
             block_size=self.block_size,
         )
+
+
+def fake_logprob(token_id: int, top: int) -> TokenLogprob:
+    """The fake engine's "log-probabilities": the sampled token first, then ``top - 1`` others, fixed values."""
+    alts = tuple((token_id + k, f" t{token_id + k}", -0.5 - k) for k in range(top))
+    return TokenLogprob(token_id, f" t{token_id}", -0.5, alts)
 
 
 class VLLMEngine(Engine):
@@ -243,7 +277,8 @@ class VLLMEngine(Engine):
             async for out in self.llm.generate(prompt, params, spec.request_id):
                 started = True
                 c = out.outputs[0]
-                yield Chunk(c.text, tuple(c.token_ids), out.finished, c.finish_reason or "")
+                lps = _logprobs(c.token_ids, c.logprobs, params.logprobs) if params.logprobs is not None else ()
+                yield Chunk(c.text, tuple(c.token_ids), out.finished, c.finish_reason or "", logprobs=lps)
                 if out.finished:
                     return
         except EngineDeadError as e:
@@ -258,6 +293,14 @@ class VLLMEngine(Engine):
     async def abort(self, request_id: str) -> None:
         if not self.errored:
             await self.llm.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        """vToken's engine statistics (vtoken_stats_async): per finished request its policy, budget, blocks."""
+        if not self.vtoken.enabled or self.errored:
+            return {}
+        from vtoken.vllm_adapter import vtoken_stats_async
+
+        return await vtoken_stats_async(self.llm)
 
     async def pool_report(self) -> PoolReport:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -277,6 +320,19 @@ class VLLMEngine(Engine):
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def _logprobs(token_ids, logprobs, top: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position ``{token_id: Logprob}`` (the sampled token and the ``top`` most likely) as plain
+    tuples that cross Ray cheaply."""
+    out = []
+    for tid, position in zip(token_ids, logprobs or ()):
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        alts = tuple((t, lp.decoded_token or "", max(lp.logprob, -9999.0)) for t, lp in ranked[:top])
+        sampled = position.get(tid)
+        value = max(sampled.logprob, -9999.0) if sampled is not None else -9999.0
+        out.append(TokenLogprob(int(tid), (sampled.decoded_token or "") if sampled else "", value, alts))
+    return tuple(out)
 
 
 ENGINES: dict[str, Callable[..., Engine]] = {"fake": FakeEngine, "vllm": VLLMEngine}

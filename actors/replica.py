@@ -151,6 +151,10 @@ class Replica:
         if self.engine is not None:
             await self.engine.abort(request_id)
 
+    async def stats(self) -> dict[str, Any]:
+        """The engine's own statistics (``Engine.stats``): what each request it served asked for and did."""
+        return await self.engine.stats() if self.engine is not None else {}
+
     # ------------------------------------------------------------------ reporting
     async def report(self) -> ReplicaReport:
         """The engine's pool report plus health; a dead engine is noticed here too."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -12,12 +13,17 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model on Ray behind a gRPC gateway (Ctrl-C stops cleanly)")
+    p = sub.add_parser(
+        "serve", help="serve a model on Ray behind gRPC and OpenAI-compatible HTTP gateways (Ctrl-C stops cleanly)"
+    )
     p.add_argument("--config", required=True, help="serve config, e.g. configs/serve.yaml")
     p.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
     p.add_argument("--host", help="override gateway.host")
-    p.add_argument("--port", type=int, help="override gateway.port (0: any free port)")
-    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.add_argument("--port", type=int, help="override gateway.port, gRPC (0: any free port)")
+    p.add_argument("--http-port", type=_http_port, help="override gateway.http_port (0: no HTTP; any: any free port)")
+    p.add_argument("--port-file", help="write the bound gRPC port here once serving")
+    p.add_argument("--http-port-file", help="write the bound HTTP port here once serving")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's and Ray's logs here instead of in a log file")
     p.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a running `vtoken serve`")
@@ -39,6 +45,15 @@ def add_cli(sub) -> None:
     c.add_argument("replicas", type=int)
     _client_args(c)
     c.set_defaults(func=_scale)
+
+
+def _http_port(value: str) -> int | str:
+    if value == "any":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, 0 or 'any', got {value!r}") from None
 
 
 def _client_args(p) -> None:
@@ -145,28 +160,50 @@ def _serve(args) -> int:
     import logging
 
     from cluster.config import ConfigError, load_config, parse_config, preflight
-    from cluster.gateway import check_port
+    from cluster.server import check_ports
 
     # Everything that can be wrong with the config or this machine is found here, before Ray starts: one line
     # naming the field and the fix, exit code 2.
     try:
         cfg = load_config(args.config)
-        if args.host is not None or args.port is not None:
-            gw = cfg.gateway.model_dump() | {
-                k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
-            }
-            cfg = parse_config(cfg.model_dump() | {"gateway": gw}, source=f"{args.config} with --host/--port")
+        flags = {"host": args.host, "port": args.port, "http_port": args.http_port}
+        if any(v is not None for v in flags.values()):
+            gw = cfg.gateway.model_dump() | {k: v for k, v in flags.items() if v is not None}
+            cfg = parse_config(cfg.model_dump() | {"gateway": gw}, source=f"{args.config} with the command's flags")
         preflight(cfg, local=not (args.address or cfg.ray.address))
-        check_port(cfg.gateway.host, cfg.gateway.port)
+        check_ports(cfg)
     except (ConfigError, ValueError) as e:
         print(f"vtoken serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    else:
+        print(
+            f"vtoken: library logs go to {args.log_file}, the replicas' to Ray's session logs "
+            "(/tmp/ray/session_latest/logs by default); --verbose shows them here",
+            flush=True,
+        )
     try:
         return asyncio.run(_serve_async(cfg, args))
     except KeyboardInterrupt:  # while Ray itself was starting, before our handlers were installed
         print("vtoken serve: interrupted during start-up; stopped", file=sys.stderr)
         return 130
+
+
+async def _watch_replicas(controller, every_s: float = 2.0) -> None:
+    """Our own progress while serving: a line whenever a replica changes state (dies, serves again)."""
+    states: dict[str, str] = {}
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            rows = (await controller.status.remote())["replicas"]
+        except Exception:  # the controller is restarting or stopping: nothing to say yet
+            continue
+        now = {r["name"]: r["state"] for r in rows}
+        for name, state in now.items():
+            if states and states.get(name) != state:
+                print(f"vtoken: replica {name} is {state}", flush=True)
+        states = now
 
 
 async def _serve_async(cfg, args) -> int:
@@ -179,23 +216,29 @@ async def _serve_async(cfg, args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # before Ray starts: a Ctrl-C during its start is heard after it
         loop.add_signal_handler(sig, stop.set)
     print("vtoken: starting Ray", flush=True)
-    local = start_ray(cfg, args.address)
+    local = start_ray(cfg, args.address, verbose=args.verbose)
     print(f"vtoken: starting {cfg.replicas} replicas of {cfg.model}; Ctrl-C stops", flush=True)
     started = asyncio.Event()
 
     async def serve():
         async with serving(cfg, local=local) as s:
             started.set()
+            g = cfg.gateway
+            scheme = "https" if g.tls_cert else "http"
+            http = f", OpenAI API {scheme}://{g.host}:{s.http_port}/v1" if s.http_port else ""
             print(
-                f"vtoken: serving {cfg.model} on {cfg.gateway.host}:{s.port} ({cfg.replicas} replicas, "
+                f"vtoken: serving {cfg.model_name}: gRPC {g.host}:{s.port}{http} ({cfg.replicas} replicas, "
                 f"placement {cfg.placement.strategy}); Ctrl-C stops",
                 flush=True,
             )
-            if args.port_file:
-                with open(args.port_file + ".tmp", "w") as f:
-                    f.write(str(s.port))
-                os.replace(args.port_file + ".tmp", args.port_file)
+            for path, port in ((args.port_file, s.port), (args.http_port_file, s.http_port)):
+                if path and port:
+                    with open(path + ".tmp", "w") as f:
+                        f.write(str(port))
+                    os.replace(path + ".tmp", path)
+            watcher = asyncio.ensure_future(_watch_replicas(s.controller))
             await stop.wait()
+            watcher.cancel()
             print("vtoken: shutting down: draining replicas", flush=True)
         return s
 

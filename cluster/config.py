@@ -44,6 +44,9 @@ class EngineConfig(_Strict):
     fake_start_s: float = Field(
         0.0, ge=0, description="fake engine only: seconds its start takes (a real engine takes ~30-60 s on CPU)"
     )
+    fake_reclaim_fraction: float = Field(
+        0.0, ge=0, le=1, description="fake engine only: share of held blocks it reports as reclaimed (metrics tests)"
+    )
 
     @field_validator("extra")
     @classmethod
@@ -129,6 +132,11 @@ class AutoscalingConfig(_Strict):
 class GatewayConfig(_Strict):
     host: str = Field("127.0.0.1", description="bind address; anything but loopback needs TLS or allow_insecure_remote")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    http_port: int | Literal["any"] | None = Field(
+        None,
+        description="OpenAI-compatible HTTP port, /metrics included (0: no HTTP; any: any free port, reported "
+        "like gRPC's; null: 8000, or any free port when port is 0). Same host, TLS and bearer token as gRPC",
+    )
     tls_cert: str | None = Field(None, description="PEM certificate file")
     tls_key: str | None = Field(None, description="PEM private key file")
     allow_insecure_remote: bool = Field(False, description="explicit opt-out: bind a non-loopback address without TLS")
@@ -149,6 +157,32 @@ class GatewayConfig(_Strict):
         description="with auth_token_env set: whether grpc.health.v1.Health also needs the bearer token "
         "(false: health checks are open, as load-balancer probes cannot send one)",
     )
+
+    @field_validator("http_port")
+    @classmethod
+    def _http_port(cls, v: int | str | None) -> int | str | None:
+        if v not in (None, "any") and not 0 <= v <= 65535:
+            raise ValueError(f"must be 0 (no HTTP), 'any' (any free port) or a port up to 65535, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _default_http_port(self):
+        # gRPC on any free port (tests, benchmarks, several deployments on one machine): HTTP too, never a fixed
+        # port nobody asked for.
+        if self.http_port is None:
+            object.__setattr__(self, "http_port", "any" if self.port == 0 else 8000)
+        if self.port and self.http_port == self.port:
+            raise ValueError(f"http_port and port are both {self.port}: gRPC and HTTP need a port each")
+        return self
+
+    @property
+    def http_enabled(self) -> bool:
+        return self.http_port != 0
+
+    @property
+    def http_bind_port(self) -> int:
+        """The port to bind (0 for 'any'); only meaningful with HTTP enabled."""
+        return 0 if self.http_port == "any" else int(self.http_port)
 
     @model_validator(mode="after")
     def _secure(self):
@@ -173,6 +207,11 @@ class ServeConfig(_Strict):
 
     name: str = Field("vtoken", pattern=r"^[a-z0-9][a-z0-9-]*$", description="deployment name (actor names)")
     model: str = Field(..., description="a prepared model name (vtoken models list) or a model folder")
+    served_model_name: str | None = Field(
+        None,
+        description="the model's name to clients (OpenAI's model field, /v1/models) and in metrics' model_name; "
+        "null: model",
+    )
     replicas: int = Field(2, ge=1, description="replicas at start")
     vtoken: dict[str, Any] = Field(
         default_factory=lambda: {"mode": "vtoken"}, description="VTokenConfig fields (mode, policy, budget, ...)"
@@ -216,6 +255,10 @@ class ServeConfig(_Strict):
                     f"{', '.join(sorted(MODELS))} (vtoken models list)"
                 )
         return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
 
     def model_folder(self) -> str:
         if self.engine.kind == "fake" or Path(self.model).is_dir():

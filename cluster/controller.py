@@ -32,7 +32,14 @@ from cluster.config import ServeConfig
 from cluster.placement import ReplicaView, make_strategy
 
 log = logging.getLogger("vtoken.controller")
-REPLICA_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+QUIET_KEYS = ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE")
+
+
+def replica_env() -> dict[str, str]:
+    """The environment replicas start with: this process's log settings (`vtoken serve` quiet or --verbose;
+    Ray passes them on from the driver to the controller), vLLM at WARNING unless set."""
+    env = {k: os.environ[k] for k in QUIET_KEYS if k in os.environ}
+    return {"VLLM_LOGGING_LEVEL": "WARNING", **env, "TOKENIZERS_PARALLELISM": "false"}
 
 
 class Promise(NamedTuple):
@@ -67,6 +74,7 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
                 "block_size": e.block_size,
                 "token_delay_s": e.fake_token_delay_s,
                 "start_s": e.fake_start_s,
+                "reclaim_fraction": e.fake_reclaim_fraction,
             },
         )
     args = {
@@ -95,6 +103,10 @@ class Controller:
         # controller never heard of: a gateway gone, a lost message); the rest keep the last few entries.
         self.promises: dict[str, Promise] = {}
         self.decisions: collections.deque = collections.deque(maxlen=50)
+        # Cumulative counts for /metrics: placements by (strategy, replica), pruned to live replicas each
+        # second; scaling decisions by (direction, trigger), four keys at most.
+        self.placements: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.decision_counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.recoveries: collections.deque[float] = collections.deque(maxlen=100)
         self._tasks: set[asyncio.Future] = set()  # fire-and-forget work (drains), held until done
         self._loop: asyncio.Task | None = None
@@ -126,7 +138,7 @@ class Controller:
         name = f"{self.cfg.name}-replica-{self.seq}"
         r = self.cfg.replica
         cores = self._free_cores() if r.pin_cpus else None
-        env = {**REPLICA_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
+        env = {**replica_env(), **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
         handle = (
             ray.remote(Replica)
             .options(
@@ -233,6 +245,10 @@ class Controller:
     def _void_promises(self, name: str) -> None:
         self.promises = {k: p for k, p in self.promises.items() if p.replica != name}
 
+    def _prune_placements(self) -> None:
+        if any(name not in self.replicas for _, name in self.placements):
+            self.placements = collections.Counter({k: n for k, n in self.placements.items() if k[1] in self.replicas})
+
     def _expire_promises(self, now: float) -> None:
         ttl = self.cfg.placement.promise_ttl_s
         if any(now - p.at > ttl for p in self.promises.values()):
@@ -258,6 +274,7 @@ class Controller:
                 if now >= next_scale:
                     next_scale = now + 1.0
                     self._expire_promises(now)
+                    self._prune_placements()
                     if self.cfg.autoscaling.enabled:
                         self._autoscale(now)
                 self._reconcile()
@@ -289,6 +306,7 @@ class Controller:
         if d is not None:
             log.info("autoscaler: %d -> %d replicas: %s", d.from_replicas, d.to_replicas, d.reason)
             self.decisions.append({**d._asdict(), "time": time.time()})
+            self.decision_counts["out" if d.to_replicas > d.from_replicas else "in", "autoscaler"] += 1
             self._set_target(d.to_replicas)
 
     def _set_target(self, n: int) -> None:
@@ -305,6 +323,8 @@ class Controller:
         self.decisions.append(
             {"time": time.time(), "from_replicas": self.target, "to_replicas": n, "reason": "manual (vtoken scale)"}
         )
+        if n != self.target:
+            self.decision_counts["out" if n > self.target else "in", "manual"] += 1
         self._set_target(n)
         return n
 
@@ -351,6 +371,7 @@ class Controller:
             return None
         v = self.strategy.choose(views, need_blocks)
         self.promises[request_id] = Promise(v.name, need_blocks, time.monotonic())
+        self.placements[self.cfg.placement.strategy, v.name] += 1
         return v.name, self.replicas[v.name].handle
 
     async def set_placement(self, strategy: str) -> None:
@@ -368,3 +389,10 @@ class Controller:
         from cluster.status import cluster_status
 
         return cluster_status(self)
+
+    async def snapshot(self):
+        """Every replica's state, last report and promised blocks, and the cumulative placement and scaling
+        counts (cluster.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
+        from cluster.snapshot import take_snapshot
+
+        return take_snapshot(self)

@@ -1,7 +1,8 @@
-"""Starting and stopping a whole deployment: Ray (embedded or joined), the controller actor, the gateway.
+"""Starting and stopping a whole deployment: Ray (embedded or joined), the controller actor, the gateways
+(gRPC, and OpenAI-compatible HTTP unless ``gateway.http_port`` is 0), which share one dispatcher.
 
 async with serving(cfg) as s:          # in an asyncio program (vtoken serve)
-    print(s.port)
+    print(s.port, s.http_port)
 with BackgroundServer(cfg) as s:       # from synchronous code (tests, the goodput script)
     grpc.insecure_channel(f"127.0.0.1:{s.port}")
 """
@@ -21,23 +22,30 @@ import ray
 
 from actors.report import ReplicaReport
 from cluster.config import ServeConfig, preflight
-from cluster.controller import REPLICA_ENV, Controller
+from cluster.controller import Controller, replica_env
+from cluster.dispatch import Dispatcher
 from cluster.gateway import Gateway, check_port
+from cluster.metrics import Metrics
 from cluster.requests import Tokenizer
 
 log = logging.getLogger("vtoken.server")
 
 
-def start_ray(cfg: ServeConfig, address: str | None = None) -> bool:
-    """Join ``address`` (or cfg.ray.address), else start an embedded local Ray. True when local."""
+def start_ray(cfg: ServeConfig, address: str | None = None, verbose: bool = True) -> bool:
+    """Join ``address`` (or cfg.ray.address), else start an embedded local Ray. True when local.
+    Not ``verbose``: Ray's own messages go to the log (ERROR and up on the terminal), and the workers' output
+    (the replicas, vLLM's EngineCore under them) stays in Ray's session logs; the workers log quietly too,
+    through the environment they inherit (vtoken.cli.QUIET_ENV), so those files stay small."""
     address = address or cfg.ray.address
     if not ray.is_initialized():
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         kw: dict[str, Any] = {
             "namespace": cfg.ray.namespace,
             "include_dashboard": False,
-            "runtime_env": {"env_vars": REPLICA_ENV},
+            "runtime_env": {"env_vars": replica_env()},
         }
+        if not verbose:
+            kw.update(log_to_driver=False, logging_level=logging.ERROR)
         if address:
             ray.init(address=address, **kw)
         else:
@@ -47,9 +55,11 @@ def start_ray(cfg: ServeConfig, address: str | None = None) -> bool:
 
 @dataclass
 class Served:
-    port: int
+    port: int  # gRPC
     controller: Any
     gateway: Gateway
+    http_port: int | None = None  # None: HTTP off
+    http: Any = None  # cluster.http_gateway.HttpGateway
     final_reports: list[ReplicaReport] = field(default_factory=list)
 
 
@@ -59,23 +69,39 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
     holds each replica's last report (all blocks free after a clean drain). Raises ConfigError or PortInUse
     before starting anything when the deployment cannot start here."""
     preflight(cfg, local)
-    check_port(cfg.gateway.host, cfg.gateway.port)
+    check_ports(cfg)
     ctl = (
         ray.remote(Controller)
         .options(name=f"{cfg.name}-controller", num_cpus=0, max_concurrency=10000)
         .remote(cfg.model_dump(), local)
     )
-    gateway = None
+    gateway = http = None
     try:
+        # The HTTP door imports vLLM's protocol models (~10 s): while the replicas start, not after.
+        http_module = _import_http() if cfg.gateway.http_enabled else None
         healthy = await ctl.start.remote(start_timeout_s)
         if healthy < cfg.replicas:
             raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started")
         folder = None if cfg.engine.kind == "fake" else cfg.model_folder()
-        gateway = Gateway(cfg, ctl, await asyncio.to_thread(Tokenizer, folder))
+        tokenizer = await asyncio.to_thread(Tokenizer, folder)
+        dispatcher = Dispatcher(cfg, ctl, Metrics(cfg.model_name))
+        gateway = Gateway(cfg, ctl, tokenizer, dispatcher)
         served = Served(await gateway.start(), ctl, gateway)
-        log.info("vtoken serving %s on %s:%d with %d replicas", cfg.model, cfg.gateway.host, served.port, healthy)
+        if http_module is not None:
+            http = (await http_module).HttpGateway(cfg, ctl, tokenizer, dispatcher)
+            served.http, served.http_port = http, await http.start()
+        log.info(
+            "vtoken serving %s on %s:%d (gRPC), HTTP %s, with %d replicas",
+            cfg.model,
+            cfg.gateway.host,
+            served.port,
+            served.http_port or "off",
+            healthy,
+        )
         yield served
     finally:
+        if http is not None:
+            await http.stop()
         if gateway is not None:
             await gateway.stop()
         try:
@@ -85,6 +111,35 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
         ray.kill(ctl, no_restart=True)
         if "served" in locals():
             served.final_reports = finals
+
+
+def _import_http() -> asyncio.Future:
+    """cluster.http_gateway, imported in a daemon thread: a Ctrl-C during start-up then exits at once instead of
+    waiting for the import to finish (asyncio.to_thread's threads are joined at exit)."""
+    loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+
+    def settle(set_it) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: start-up was interrupted
+            loop.call_soon_threadsafe(lambda: done.done() or set_it())
+
+    def run():
+        try:
+            import cluster.http_gateway as module
+        except BaseException as e:  # handed to the coroutine that awaits the import
+            settle(lambda e=e: done.set_exception(e))
+        else:
+            settle(lambda: done.set_result(module))
+
+    threading.Thread(target=run, name="import-http-gateway", daemon=True).start()
+    return done
+
+
+def check_ports(cfg: ServeConfig) -> None:
+    """Both doors' ports are free (PortInUse naming the field and the flag otherwise), before anything starts."""
+    g = cfg.gateway
+    check_port(g.host, g.port)
+    if g.http_enabled:
+        check_port(g.host, g.http_bind_port, "gateway.http_port", "--http-port")
 
 
 class BackgroundServer:

@@ -36,7 +36,7 @@ def config(name: str, **over):
         "replicas": 2,
         "replica": {"num_cpus": 0.25},
         "engine": {"kind": "fake", "fake_total_blocks": 16, "fake_token_delay_s": 0.01},
-        "gateway": {"port": 0},
+        "gateway": {"port": 0, "http_port": 0},  # no HTTP unless a test asks for it ("any": a free port)
     }
     for k, v in over.items():
         raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v

@@ -25,7 +25,7 @@ def fake_config(tmp_path, **over) -> str:
         "replicas": 1,
         "replica": {"num_cpus": 0.25},
         "engine": {"kind": "fake"},
-        "gateway": {"port": 0},
+        "gateway": {"port": 0, "http_port": "any"},
         "ray": {"num_cpus": 2},
     }
     for k, v in over.items():
@@ -82,7 +82,7 @@ def test_the_gateway_refuses_a_port_another_grpc_server_holds():
         other = grpc.aio.server()
         port = other.add_insecure_port("127.0.0.1:0")
         await other.start()
-        cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"port": port}})
+        cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"port": port, "http_port": 0}})
         try:
             with pytest.raises(PortInUse, match=f"127.0.0.1:{port} is in use"):
                 await Gateway(cfg, None, Tokenizer(None)).start()
@@ -158,3 +158,67 @@ def test_ctrl_c_during_start_up_stops_at_once(tmp_path):
     assert proc.returncode == 130 and "interrupted during start-up" in out, out
     assert "Traceback" not in out, out
     assert stopped_s < 30, f"took {stopped_s:.0f}s to stop"
+
+
+def test_a_busy_http_port_is_an_error_naming_the_field_and_flag(tmp_path):
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = serve(fake_config(tmp_path), "--http-port", str(port))
+    assert_one_line_error(r, f"127.0.0.1:{port}", "gateway.http_port", "--http-port")
+
+
+def test_serve_is_quiet_and_speaks_openai_and_grpc(tmp_path):
+    """`vtoken serve` as a newcomer meets it: our own progress lines only (Ray's and vLLM's messages go to a log
+    file, its path printed), the official OpenAI client streams a chat completion from it, `vtoken status` and
+    `vtoken generate` work on the same deployment, and Ctrl-C drains it."""
+    import openai
+
+    port_file, http_file = tmp_path / "grpc-port", tmp_path / "http-port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vtoken.cli", "serve", "--config", fake_config(tmp_path), "--port-file", str(port_file),
+         "--http-port-file", str(http_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "VTOKEN_DATA_DIR": str(tmp_path / "data")},
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        t_end = time.monotonic() + 120
+        while not (port_file.exists() and http_file.exists()):
+            assert proc.poll() is None and time.monotonic() < t_end, "".join(lines)
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_file.read_text()}/v1", api_key="-", max_retries=0)
+        stream = client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == " t0 t1 t2 t3"
+        server = f"127.0.0.1:{port_file.read_text()}"
+        for args in (("status", "--json"), ("generate", "hello", "--max-tokens", "2")):
+            out = subprocess.run(
+                [sys.executable, "-m", "vtoken.cli", *args, "--server", server],
+                capture_output=True, text=True, timeout=60, cwd=ROOT,
+            )  # fmt: skip
+            assert out.returncode == 0, out.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        reader.join(5)
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    noise = [x for x in out.splitlines() if not x.startswith("vtoken: ")]
+    assert not noise, out  # nothing but our own lines: no Ray or vLLM warnings, no INFO records
+    assert "OpenAI API http://127.0.0.1:" in out and "free blocks after drain" in out
+    log = next(x for x in out.splitlines() if "library logs go to" in x).split(" go to ")[1].split(",")[0]
+    assert os.path.exists(log) and log.startswith(str(tmp_path / "data")), log

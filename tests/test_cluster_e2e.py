@@ -1,8 +1,10 @@
-"""End to end on two real vLLM replicas (tiny-llama, vToken on) behind the gRPC gateway: streaming, chat,
-cancel frees blocks, over-long prompts, where placement by free blocks and round_robin put a skewed load,
-vLLM's own validation errors, a replica killed mid-load and an engine killed under a live replica (no request
-that streamed nothing is lost, the replica serves again), and drains that free every block. How much goodput
-free_blocks placement wins is a measurement, not a test: `vtoken bench goodput`."""
+"""End to end on two real vLLM replicas (tiny-llama, vToken on) behind the gRPC and HTTP gateways: streaming,
+chat, cancel frees blocks, the official OpenAI client with a request's own eviction options (the engine's
+finished records carry them), /metrics showing blocks reclaimed while an evicting request runs, an HTTP client
+that disconnects freeing vLLM's blocks, over-long prompts, where placement by free blocks and round_robin put a
+skewed load, vLLM's own validation errors, a replica killed mid-load and an engine killed under a live replica
+(no request that streamed nothing is lost, the replica serves again), and drains that free every block. How much
+goodput free_blocks placement wins is a measurement, not a test: `vtoken bench goodput`."""
 
 from __future__ import annotations
 
@@ -37,11 +39,12 @@ def served():
             "replicas": 2,
             "engine": {"kv_cache_memory_bytes": KV_BYTES, "max_model_len": 1024},
             "replica": {"num_cpus": 0.5, "pin_cpus": True},
-            "gateway": {"port": 0},
+            "gateway": {"port": 0, "http_port": "any"},
         }
     )
     with BackgroundServer(cfg) as s:
         s.ray_get = ray.get
+        s.url = f"http://127.0.0.1:{s.http_port}"
         yield s
     if os.environ.get("VTOKEN_RESULTS_DIR"):  # the measured figures, for the README and closing notes
         out = os.path.join(os.environ["VTOKEN_RESULTS_DIR"], "cluster_e2e.json")
@@ -91,6 +94,108 @@ def test_cancel_aborts_in_vllm_and_frees_blocks(served):
         what="all blocks free after cancel",
     )
     RESULTS["cancel_to_free_s"] = time.monotonic() - t0
+
+
+def _openai(served):
+    import openai
+
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0, timeout=300)
+
+
+def _finished_records(served) -> dict[str, dict]:
+    """vToken's finished-request records of both replicas, by the gateway's request id."""
+    import ray
+
+    names = [r["name"] for r in status(stub(served.port))["replicas"]]
+    stats = [ray.get(ray.get_actor(n).stats.remote(), timeout=60) for n in names]
+    return {r["request_id"]: r for st in stats for r in st.get("finished_requests", [])}
+
+
+def test_openai_client_on_vllm_with_the_requests_own_eviction_options(served):
+    c = _openai(served)
+    assert [m.id for m in c.models.list().data] == ["tiny-llama"]
+    opts = {"vtoken": {"policy": "random", "budget": 0.25}, "ignore_eos": True}
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "Tell me about " + "the sea " * 40}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body=opts,
+        )
+    )
+    assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == "length"
+    whole = c.completions.create(
+        model="tiny-llama", prompt="The capital of France is", max_tokens=8, logprobs=2, extra_body=opts
+    )
+    lp = whole.choices[0].logprobs
+    assert whole.usage.completion_tokens == 8 and len(lp.tokens) == 8 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    records = _finished_records(served)
+    for rid in (chunks[0].id.removeprefix("chatcmpl-"), whole.id.removeprefix("cmpl-")):
+        assert rid in records, sorted(records)
+        assert records[rid]["policy"] == "random" and records[rid]["budget"] == 0.25, records[rid]
+    plain = c.completions.create(model="tiny-llama", prompt="Hello", max_tokens=2)
+    rec = _finished_records(served)[plain.id.removeprefix("cmpl-")]
+    assert rec["policy"] == "h2o" and rec["budget"] == 0.5  # the served config's own
+
+
+def test_metrics_show_blocks_reclaimed_while_an_evicting_request_runs(served):
+    """random at 25% scatters the survivors over the prompt's blocks: Naive-Evict would hold nearly all of them,
+    vToken packs them, and /metrics shows the difference per replica while the request decodes."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(name: str) -> float:
+        text = httpx.get(served.url + "/metrics", timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+    evicted = scrape("vtoken:tokens_evicted_total")
+    done = threading.Event()
+
+    def run():
+        try:
+            _openai(served).completions.create(
+                model="tiny-llama",
+                prompt="the quiet sea " * 100,  # ~300 tokens, ~10 blocks
+                max_tokens=300,
+                extra_body={"vtoken": {"policy": "random", "budget": 0.25}, "ignore_eos": True},
+            )
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    reclaimed = 0.0
+    while not done.is_set() and reclaimed <= 0:
+        reclaimed = scrape("vtoken:blocks_reclaimed")
+        time.sleep(0.1)
+    t.join(300)
+    assert reclaimed > 0, "vtoken:blocks_reclaimed never positive while the request ran"
+    RESULTS["http_metrics_blocks_reclaimed"] = reclaimed
+    assert scrape("vtoken:tokens_evicted_total") > evicted
+    assert scrape("vtoken:blocks_reclaimed") == 0  # done: nothing held, nothing reclaimed
+
+
+def test_an_http_client_that_disconnects_mid_stream_frees_vllms_blocks_within_2s(served):
+    import httpx
+
+    body = {"prompt": "tell me a story " * 20, "max_tokens": 800, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=120) as h, h.stream("POST", served.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert [next(lines) for _ in range(6)]
+        wait_for(lambda: status(stub(served.port))["totals"]["running"] >= 1, 10, 0.1, what="the request in a report")
+    t0 = time.monotonic()
+    wait_for(
+        lambda: (lambda t: t["free_blocks"] == t["total_blocks"] and t["running"] == 0)(
+            status(stub(served.port))["totals"]
+        ),
+        2.0,
+        0.05,
+        what="every block free within 2 s of the disconnect",
+    )
+    RESULTS["http_disconnect_to_free_s"] = time.monotonic() - t0
 
 
 def test_placement_of_a_skewed_load_by_free_blocks_and_round_robin(served):

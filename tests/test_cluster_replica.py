@@ -16,7 +16,7 @@ from actors.replica import Replica
 from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
 from cluster.controller import Controller, ReplicaState
-from cluster.gateway import failure
+from cluster.dispatch import failure
 
 Code = grpc.StatusCode
 
@@ -85,8 +85,11 @@ def test_an_unexpected_engine_error_is_internal_and_its_traceback_stays_in_the_l
     ],
 )
 def test_how_a_stream_the_server_ended_reaches_the_client(chunk, code, needle):
+    from cluster.openai_responses import HTTP_STATUS
+
     got, why = failure(chunk, "r")
-    assert got == code and needle in why and "\n" not in why
+    assert Code[got.upper()] == code and needle in why and "\n" not in why  # the gRPC door's status
+    assert HTTP_STATUS[got] == {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "INTERNAL": 500}[code.name]  # HTTP's
 
 
 def test_a_dead_engine_is_logged_once_and_reported_so_the_controller_restarts_the_replica(caplog):

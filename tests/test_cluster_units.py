@@ -425,3 +425,192 @@ def test_health_requires_auth_is_a_documented_gateway_field():
 
     assert GatewayConfig().health_requires_auth is False
     assert "probes" in GatewayConfig.model_fields["health_requires_auth"].description
+
+
+# ------------------------------------------------------------------------------ HTTP door, options, metrics
+@pytest.mark.parametrize(
+    "gateway, http_port",
+    [({}, 8000), ({"port": 0}, "any"), ({"port": 0, "http_port": 0}, 0), ({"http_port": "any"}, "any")],
+)
+def test_http_port_defaults_to_8000_or_follows_an_ephemeral_grpc_port(gateway, http_port):
+    cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": gateway})
+    assert cfg.gateway.http_port == http_port and cfg.gateway.http_enabled == (http_port != 0)
+
+
+@pytest.mark.parametrize(
+    "gateway, needle",
+    [({"port": 8000}, "http_port and port are both 8000"), ({"http_port": 70000}, "gateway.http_port: must be 0")],
+)
+def test_bad_http_port_is_a_config_error(gateway, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": gateway})
+    assert needle in str(e.value)
+
+
+def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent():
+    from cluster.requests import options_from_proto
+
+    o = pb.VTokenOptions(policy="scissorhands", budget=0.25, prefill_evict=False)
+    o.policy_params.update({"history": 16})
+    assert options_from_proto(o) == {
+        "policy": "scissorhands",
+        "budget": 0.25,
+        "prefill_evict": False,
+        "policy_params": {"history": 16},
+    }
+    assert type(options_from_proto(o)["policy_params"]["history"]) is int
+    assert options_from_proto(pb.VTokenOptions()) == {}
+
+
+@pytest.mark.parametrize(
+    "served, options, needle",
+    [
+        ({"mode": "vtoken", "policy": "streaming"}, {"policy": "h2o"}, "vtoken.policy: policy 'h2o' needs attention"),
+        ({"mode": "vtoken"}, {"budgett": 0.5}, "vtoken.budgett: not a per-request option"),
+        ({"mode": "vtoken"}, {"budget": float("nan")}, "vtoken.budget: must be a finite number"),
+        ({"mode": "vtoken"}, {"budget": "lots"}, "vtoken.budget:"),
+        ({"mode": "vtoken"}, {"policy": "random", "policy_params": {"history": 3}}, "no parameter"),
+        ({"mode": "off"}, {"policy": "random"}, "eviction off"),
+        ({"mode": "vtoken"}, ["h2o"], "expected an object"),
+    ],
+)
+def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, options, needle):
+    from cluster.requests import vtoken_options
+
+    with pytest.raises(BadRequest) as e:
+        vtoken_options(options, served)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_accepted_eviction_options_become_request_args_and_bound_the_block_estimate():
+    from cluster.requests import vtoken_options
+    from vtoken.vllm_adapter import request_args
+
+    ev = vtoken_options({"policy": "scissorhands", "budget": 0.125}, {"mode": "vtoken", "policy": "h2o"})
+    assert ev.extra_args == request_args(policy="scissorhands", budget=0.125)
+    assert ev.config.policy == "scissorhands" and ev.config.budget == 0.125
+    assert vtoken_options(None, {"mode": "vtoken"}).extra_args is None
+    r = validate(
+        parse(req(prompt="hi", vtoken=pb.VTokenOptions(policy="random", budget=0.5))),
+        Tokenizer(None),
+        64,
+        100,
+        {"mode": "vtoken"},
+    )
+    assert r.spec_sampling()["extra_args"] == {"vtoken": {"policy": "random", "budget": 0.5}}
+
+
+def _snapshot(**pool):
+    from actors.report import ReplicaReport, empty_pool
+    from cluster.snapshot import ClusterSnapshot, ReplicaSnapshot
+
+    p = empty_pool(32)._replace(**pool)
+    return ClusterSnapshot(
+        (ReplicaSnapshot("r1", "healthy", ReplicaReport("r1", "i", True, False, 0, 1.0, p), 3),),
+        {("free_blocks", "r1"): 5},
+        {("out", "manual"): 1},
+        1.0,
+    )
+
+
+def test_metrics_render_per_replica_series_with_vllm_names_in_a_registry_of_their_own():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.engines import Chunk
+    from cluster.metrics import Metrics
+
+    a, b = Metrics("m"), Metrics("m")  # two servers in one process share nothing
+    t = a.timer("http", 7)
+    t.chunk("r1", Chunk("x", (1, 2)))
+    t.chunk("r1", Chunk("y", (3,), True, "stop"))
+    t.done("ok")
+    snap = _snapshot(running=2, kv_cache_usage=0.5, blocks_reclaimed=4, tokens_moved_total=9, total_blocks=10)
+    got = {
+        s.name: (s.labels, s.value)
+        for f in text_string_to_metric_families(a.render(snap).decode())
+        for s in f.samples
+        if not s.name.endswith("_created")
+    }
+    assert got["vllm:num_requests_running"] == ({"model_name": "m", "replica": "r1"}, 2.0)
+    assert got["vllm:kv_cache_usage_perc"][1] == 0.5 and got["vtoken:blocks_reclaimed"][1] == 4
+    assert got["vtoken:tokens_moved_total"][1] == 9 and got["vtoken:promised_blocks"][1] == 3
+    assert got["vllm:generation_tokens_total"][1] == 3 and got["vllm:prompt_tokens_total"][1] == 7
+    assert got["vllm:time_to_first_token_seconds_count"][1] == 1
+    assert got["vllm:inter_token_latency_seconds_count"][1] == 1
+    assert got["vtoken:requests_total"] == ({"door": "http", "status": "ok"}, 1.0)
+    assert got["vtoken:placements_total"] == ({"strategy": "free_blocks", "replica": "r1"}, 5.0)
+    assert got["vtoken:autoscaler_decisions_total"] == ({"direction": "out", "trigger": "manual"}, 1.0)
+    other = [s.name for f in text_string_to_metric_families(b.render(None).decode()) for s in f.samples]
+    assert other == ["vtoken:inflight_requests"]  # nothing of a's requests, no replica series without a snapshot
+
+
+def test_capacity_feed_sends_at_once_then_coalesces_changes_and_stops_polling_without_watchers():
+    import asyncio
+
+    from cluster.capacity import CapacityFeed
+
+    class Ctl:
+        def __init__(self):
+            self.free, self.polls = 10, 0
+            ctl = self
+
+            class Snapshot:
+                def remote(self):
+                    ctl.polls += 1
+                    fut = asyncio.get_running_loop().create_future()
+                    fut.set_result(_snapshot(free_blocks=ctl.free, total_blocks=10))
+                    return fut
+
+            self.snapshot = Snapshot()
+
+    async def go():
+        ctl = Ctl()
+        feed = CapacityFeed(ctl, poll_s=0.01)
+        got, times = [], []
+
+        async def watch():
+            async for rows in feed.watch(0.3):
+                got.append(rows[0].free_blocks)
+                times.append(asyncio.get_running_loop().time())
+
+        task = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.1)
+        for free in (9, 8, 7):  # three changes within one interval: one update, the latest
+            ctl.free = free
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        polls = ctl.polls
+        await asyncio.sleep(0.1)
+        return got, times, polls, ctl.polls, feed
+
+    got, times, polls, later, feed = asyncio.run(go())
+    assert got == [10, 7], got
+    assert times[1] - times[0] >= 0.29
+    assert later == polls and feed.watchers == 0  # no watcher, no polling
+
+
+def test_the_grafana_dashboard_plots_only_series_the_server_exposes():
+    import json
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.engines import Chunk
+    from cluster.metrics import Metrics
+
+    m = Metrics("m")
+    t = m.timer("http", 3)
+    t.chunk("r1", Chunk("x", (1,)))
+    t.chunk("r1", Chunk("y", (2,), True, "stop"))
+    t.done("ok")
+    text = m.render(_snapshot(total_blocks=10)).decode()
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dash = json.loads((ROOT / "configs" / "grafana-vtoken.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\b((?:vllm|vtoken):[a-z_]+)", e)}
+    assert used and used <= exposed, used - exposed
+    assert {"vtoken:blocks_reclaimed", "vllm:kv_cache_usage_perc"} <= {
+        n for t in dash["panels"][0]["targets"] for n in re.findall(r"(?:vllm|vtoken):[a-z_]+", t["expr"])
+    }  # the headline: reclaimed blocks against KV usage, per replica

@@ -28,6 +28,7 @@ def add_cli(sub) -> None:
     p.add_argument("--passages", type=int, default=3, help="summarisation prompts over real text (~700 tokens)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,naive,vtoken")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's and PyTorch's logs and warnings here")
     p.set_defaults(func=run)
 
 
@@ -104,6 +105,8 @@ def run(args) -> int:
     except (ValueError, ModelPrepareError) as e:
         print(f"vtoken demo: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "log_file", None):
+        log(f"library logs: {args.log_file} (--verbose shows them here)")
     prompts = build_prompts(args.passages)
     results = {m: serve(model_dir, m, args, prompts) for m in modes}
     report = {

@@ -20,12 +20,15 @@ OUTPUTS = ("vtoken_pb2.py", "vtoken_pb2_grpc.py", "vtoken_pb2.pyi")
 
 
 def generate(out_root: Path) -> None:
+    from importlib.resources import files
+
     from grpc_tools import protoc
 
     rc = protoc.main(
         [
             "protoc",
             f"-I{ROOT}",
+            f"-I{files('grpc_tools') / '_proto'}",  # google/protobuf/*.proto (Struct), shipped with grpcio-tools
             f"--python_out={out_root}",
             f"--pyi_out={out_root}",
             f"--grpc_python_out={out_root}",

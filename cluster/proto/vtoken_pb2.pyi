@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -38,19 +39,43 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class VTokenOptions(_message.Message):
+    __slots__ = ("policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    SINK_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_EVICT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    budget: float
+    interval: int
+    sink: int
+    recent: int
+    seed: int
+    policy_params: _struct_pb2.Struct
+    prefill_evict: bool
+    prefill_window: int
+    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., interval: _Optional[int] = ..., sink: _Optional[int] = ..., recent: _Optional[int] = ..., seed: _Optional[int] = ..., policy_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., prefill_evict: _Optional[bool] = ..., prefill_window: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "sampling", "deadline_ms")
+    __slots__ = ("request_id", "prompt", "messages", "sampling", "deadline_ms", "vtoken")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    VTOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: ChatMessages
     sampling: SamplingParams
     deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    vtoken: VTokenOptions
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., vtoken: _Optional[_Union[VTokenOptions, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "replica", "text", "token_ids", "finished", "finish_reason", "prompt_tokens")
@@ -139,3 +164,43 @@ class ScaleResponse(_message.Message):
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     target_replicas: int
     def __init__(self, target_replicas: _Optional[int] = ...) -> None: ...
+
+class WatchCapacityRequest(_message.Message):
+    __slots__ = ("min_interval_s",)
+    MIN_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    min_interval_s: float
+    def __init__(self, min_interval_s: _Optional[float] = ...) -> None: ...
+
+class ReplicaCapacity(_message.Message):
+    __slots__ = ("name", "state", "free_blocks", "total_blocks", "blocks_reclaimed", "promised_blocks", "running", "waiting", "block_size", "report_time")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_TIME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    free_blocks: int
+    total_blocks: int
+    blocks_reclaimed: int
+    promised_blocks: int
+    running: int
+    waiting: int
+    block_size: int
+    report_time: float
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., blocks_reclaimed: _Optional[int] = ..., promised_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., report_time: _Optional[float] = ...) -> None: ...
+
+class CapacityUpdate(_message.Message):
+    __slots__ = ("sequence", "time", "replicas")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    time: float
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaCapacity]
+    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaCapacity, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class VTokenStub:
                 request_serializer=cluster_dot_proto_dot_vtoken__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=cluster_dot_proto_dot_vtoken__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.WatchCapacity = channel.unary_stream(
+                '/vtoken.v1.VToken/WatchCapacity',
+                request_serializer=cluster_dot_proto_dot_vtoken__pb2.WatchCapacityRequest.SerializeToString,
+                response_deserializer=cluster_dot_proto_dot_vtoken__pb2.CapacityUpdate.FromString,
+                _registered_method=True)
 
 
 class VTokenServicer:
@@ -75,6 +80,15 @@ class VTokenServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchCapacity(self, request, context):
+        """For routers in front of several deployments: every replica's capacity now, then again whenever a
+        replica's free, total or reclaimed blocks, running or waiting requests, or state change (coalesced: at
+        most one update per min_interval_s). Runs until the client cancels it or the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VTokenServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_VTokenServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=cluster_dot_proto_dot_vtoken__pb2.ScaleRequest.FromString,
                     response_serializer=cluster_dot_proto_dot_vtoken__pb2.ScaleResponse.SerializeToString,
+            ),
+            'WatchCapacity': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCapacity,
+                    request_deserializer=cluster_dot_proto_dot_vtoken__pb2.WatchCapacityRequest.FromString,
+                    response_serializer=cluster_dot_proto_dot_vtoken__pb2.CapacityUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class VToken:
             '/vtoken.v1.VToken/Scale',
             cluster_dot_proto_dot_vtoken__pb2.ScaleRequest.SerializeToString,
             cluster_dot_proto_dot_vtoken__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCapacity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vtoken.v1.VToken/WatchCapacity',
+            cluster_dot_proto_dot_vtoken__pb2.WatchCapacityRequest.SerializeToString,
+            cluster_dot_proto_dot_vtoken__pb2.CapacityUpdate.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,192 @@
+"""The request path both front doors share, gRPC (cluster/gateway.py) and OpenAI-compatible HTTP
+(cluster/http_gateway.py): admission, placement by the controller, the Ray stream from a replica, retries,
+aborts, and the per-request metrics. A door validates its own wire format into a ``ValidRequest``, iterates
+``Dispatcher.stream`` and maps a ``Refused``'s code to its own status; so a request is admitted, placed,
+retried, aborted and counted the same way whichever door it came in by.
+
+A request's path: admission (bounded: ``max_inflight`` over both doors, else resource_exhausted) -> placement
+by the controller -> a Ray streaming call to the replica. A replica that dies before the first token: the
+request is placed again elsewhere (``max_attempts``); after it: unavailable. A deadline, or a client that goes
+away (the door stops iterating), aborts the request in the engine at once, so its blocks are free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+import ray
+
+from actors.engines import Chunk, GenerateSpec
+from cluster.config import ServeConfig
+from cluster.metrics import Metrics
+from cluster.placement import estimate_blocks
+from cluster.requests import ValidRequest
+
+log = logging.getLogger("vtoken.gateway")
+
+# Why a request ended without completing; each door maps these to its own status codes.
+CODES = (
+    "invalid_argument",
+    "unauthenticated",
+    "not_found",
+    "resource_exhausted",
+    "unavailable",
+    "deadline_exceeded",
+    "internal",
+)
+
+
+class Refused(Exception):
+    """The request ends without completing: ``code`` (one of CODES) and one line meant for the client;
+    ``param`` names the request field at fault when there is one."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        if code not in CODES:
+            raise ValueError(f"unknown code {code!r}; known: {', '.join(CODES)}")
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+class Delta(NamedTuple):
+    """One streamed chunk and the replica that produced it."""
+
+    replica: str
+    chunk: Chunk
+
+
+class Dispatcher:
+    """Invariants: ``inflight`` counts the requests of both doors between admission and their end; every
+    request that ends, however (done, refused, failed, client gone), releases its promise in the controller
+    and is counted once in ``metrics`` under its door and outcome."""
+
+    def __init__(self, cfg: ServeConfig, controller: Any, metrics: Metrics | None = None):
+        self.cfg, self.g, self.controller = cfg, cfg.gateway, controller
+        self.metrics = metrics or Metrics(cfg.model)
+        self.inflight = 0
+
+    async def stream(self, req: ValidRequest, rid: str, door: str) -> AsyncIterator[Delta]:
+        """The request's chunks as the replica streams them. ``rid`` is the gateway's own id for it: the
+        engine, the replica and the controller know the request by this id only (clients may reuse theirs).
+        Raises Refused; a door that stops iterating (its client went away) aborts the request."""
+        if self.inflight >= self.g.max_inflight:
+            self.metrics.refused(door, "resource_exhausted")
+            raise Refused(
+                "resource_exhausted",
+                f"server busy: {self.inflight} requests in flight (limit {self.g.max_inflight}); retry later",
+            )
+        self.inflight += 1
+        timer = self.metrics.timer(door, len(req.prompt_token_ids))
+        outcome = "cancelled"
+        try:
+            async with contextlib.aclosing(self._serve(req, rid)) as deltas:
+                async for d in deltas:
+                    timer.chunk(d.replica, d.chunk)
+                    yield d
+            outcome = "ok"
+        except Refused as e:
+            outcome = e.code
+            raise
+        except Exception:  # a bug or a Ray failure: the traceback goes to the log, never to the client
+            outcome = "internal"
+            log.exception("request %s (client id %r) failed", rid, req.request_id)
+            raise Refused("internal", internal_message(req.request_id, rid)) from None
+        finally:
+            self.inflight -= 1
+            self.controller.finished.remote(rid)  # release the promise whatever happened
+            timer.done(outcome)
+
+    async def _serve(self, req: ValidRequest, rid: str) -> AsyncIterator[Delta]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.deadline_s if req.deadline_s is not None else None
+        v = req.eviction.config if req.eviction else None
+        evicting = v is not None and v.enabled
+        need = estimate_blocks(
+            len(req.prompt_token_ids),
+            req.sampling.max_tokens,
+            self.cfg.engine.block_size,
+            *((v.budget, v.sink, v.recent) if evicting else ()),
+        )
+        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
+        tried: list[str] = []
+        for _ in range(self.g.max_attempts):
+            placed = await self._place(rid, need, tried, deadline)
+            if placed is None:
+                raise Refused("unavailable", "no live replica could take the request")
+            name, replica = placed
+            tried.append(name)
+            stream = replica.generate.options(num_returns="streaming").remote(spec)
+            streamed, done = 0, False
+            try:
+                while True:
+                    timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
+                    try:
+                        chunk = await asyncio.wait_for(_next(stream), timeout)
+                    except TimeoutError:
+                        raise Refused("deadline_exceeded", "deadline exceeded") from None
+                    if chunk is None or chunk.error or chunk.finish_reason == "abort":
+                        done = True  # the server ended it (failure, drain, engine restart), not the client
+                        code, why = failure(chunk, name)
+                        if code == "unavailable" and not streamed:
+                            log.info("request %s: %s before its first token; placing it again", rid, why)
+                            break
+                        if code == "internal":
+                            log.error("request %s (client id %r): %s", rid, req.request_id, why)
+                            why = internal_message(req.request_id, rid)
+                        elif code == "unavailable":
+                            why = f"{why} after {streamed} chunks; retry the request"
+                        raise Refused(code, why)
+                    streamed += 1
+                    done = chunk.finished
+                    yield Delta(name, chunk)
+                    if chunk.finished:
+                        return
+            except ray.exceptions.RayActorError as e:
+                done = True  # nothing left to abort on a dead replica
+                self.controller.mark_failed.remote(name, f"{type(e).__name__} during a request")
+                if streamed:
+                    raise Refused("unavailable", f"replica {name} died mid-stream; retry the request") from None
+                log.warning("replica %s died before request %s started; placing it again", name, rid)
+            finally:
+                if not done:  # cancelled, deadline, or the client went away: free its blocks now
+                    ray.cancel(stream)
+                    replica.abort.remote(rid)
+        raise Refused("unavailable", f"request failed on {len(tried)} replicas: {', '.join(tried)}")
+
+    async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None):
+        """Ask the controller until a replica is available (it may be restarting), up to place_timeout_s."""
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + self.g.place_timeout_s
+        if deadline is not None:
+            t_end = min(t_end, deadline)
+        while True:
+            placed = await self.controller.place.remote(rid, need, tuple(tried))
+            if placed is None and tried:  # everything else is down: the one that failed may be back
+                placed = await self.controller.place.remote(rid, need, ())
+            if placed is not None or loop.time() >= t_end:
+                return placed
+            await asyncio.sleep(0.2)
+
+
+def failure(chunk: Chunk | None, replica: str) -> tuple[str, str]:
+    """How a stream ends for the client when the server ended it: a failed request's code and one-line
+    reason; a request the replica aborted (vLLM's finish_reason "abort", or a stream that stopped before its
+    finished chunk) is unavailable: never a success, the client did not ask for it."""
+    if chunk is None or (chunk.finish_reason == "abort" and not chunk.error):
+        return "unavailable", f"the request was aborted by replica {replica}"
+    return (chunk.code if chunk.code in CODES else "internal"), chunk.error
+
+
+def internal_message(client_id: str, rid: str) -> str:
+    which = f"request {client_id!r} (server id {rid})" if client_id else f"a request (server id {rid})"
+    return f"internal error serving {which}; the server log has the details"
+
+
+async def _next(stream):
+    try:
+        return await (await stream.__anext__())
+    except StopAsyncIteration:
+        return None

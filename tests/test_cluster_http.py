@@ -1,0 +1,457 @@
+"""The OpenAI-compatible HTTP door, /metrics and the capacity stream on real Ray with the fake engine (no vLLM):
+the official `openai` client (chat and completion, whole and streamed, log-probabilities), a request's own
+eviction options reaching the engine through both doors, bad input in OpenAI's error JSON with the right status,
+the bearer token, the admission limit, a client that disconnects freeing its blocks, Prometheus' text parser on
+/metrics, and WatchCapacity's updates. The same on tiny-llama: tests/test_cluster_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from cluster_harness import config, ensure_ray, status, stub, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.proto import vtoken_pb2 as pb
+from cluster.server import BackgroundServer
+
+pytestmark = pytest.mark.timeout(180)
+TOKEN = "s3cret-http"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MSG = [{"role": "user", "content": "hi"}]
+# vLLM's names (and meanings) where vLLM has one, vToken's own under vtoken:
+METRICS = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions",
+    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_success",
+    "vtoken:blocks_reclaimed", "vtoken:retained_blocks", "vtoken:naive_retained_blocks", "vtoken:live_tokens",
+    "vtoken:fragmentation_ratio", "vtoken:tokens_moved", "vtoken:tokens_evicted", "vtoken:compaction_seconds",
+    "vtoken:blocks_freed", "vtoken:free_blocks", "vtoken:total_blocks", "vtoken:requests", "vtoken:placements",
+    "vtoken:autoscaler_decisions",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served():
+    ensure_ray()
+    os.environ["VTOKEN_HTTP_TEST_TOKEN"] = TOKEN
+    cfg = config(
+        "http",
+        # streaming collects no attention scores: h2o per request must be refused, by both doors alike
+        vtoken={"mode": "vtoken", "policy": "streaming", "budget": 0.5},
+        engine={"fake_reclaim_fraction": 0.5},
+        gateway={
+            "http_port": "any",
+            "auth_token_env": "VTOKEN_HTTP_TEST_TOKEN",
+            "max_inflight": 6,
+            "max_request_bytes": 4096,
+        },
+    )
+    try:
+        with BackgroundServer(cfg) as s:
+            s.url = f"http://127.0.0.1:{s.http_port}"
+            s.client = openai.OpenAI(base_url=s.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+            yield s
+    finally:
+        os.environ.pop("VTOKEN_HTTP_TEST_TOKEN", None)
+    assert s.final_reports and all(r.pool.free_blocks == r.pool.total_blocks for r in s.final_reports)
+
+
+def post(served, path, body, token=TOKEN, **kw):
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(served.url + path, content=content, headers=headers, timeout=60, **kw)
+
+
+def scrape(served) -> dict:
+    """Sample name -> [(labels, value)], and the family names under "families", through prometheus_client's
+    own text parser."""
+    r = httpx.get(served.url + "/metrics", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict = {"families": set()}
+    for f in text_string_to_metric_families(r.text):
+        out["families"].add(f.name)
+        for s in f.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def count(m: dict, name: str, **labels) -> float:
+    return sum(v for lab, v in m.get(name, []) if labels.items() <= lab.items())
+
+
+def engine_requests(served) -> list[dict]:
+    """What every request reaching a replica's engine arrived with (the fake engine's record)."""
+    import ray
+
+    names = [r["name"] for r in status(stub(served.port), AUTH)["replicas"]]
+    return [x for n in names for x in ray.get(ray.get_actor(n).stats.remote(), timeout=30)["requests"]]
+
+
+def test_openai_client_chat_and_completions_whole_and_streamed(served):
+    c = served.client
+    assert [m.id for m in c.models.list().data] == ["fake"]
+    r = c.chat.completions.create(model="fake", messages=MSG, max_tokens=5, temperature=0, seed=7)
+    assert r.choices[0].message.content == " t0 t1 t2 t3 t4" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens > 0 and r.id.startswith("chatcmpl-")
+    chunks = list(
+        c.chat.completions.create(
+            model="fake", messages=MSG, max_completion_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " t0 t1 t2"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+    assert len({ch.id for ch in chunks}) == 1
+    r = c.completions.create(model="fake", prompt="hello", max_tokens=4, logprobs=2, stop=["never"], top_p=0.9)
+    assert r.choices[0].text == " t0 t1 t2 t3" and r.choices[0].logprobs.tokens == [" t0", " t1", " t2", " t3"]
+    assert len(r.choices[0].logprobs.top_logprobs[0]) == 2
+    parts = [ch.choices[0].text for ch in c.completions.create(model="fake", prompt="hello", max_tokens=3, stream=True)]
+    assert parts == [" t0", " t1", " t2"]
+    r = c.chat.completions.create(model="fake", messages=MSG, max_tokens=2, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert [t.token for t in lp] == [" t0", " t1"] and len(lp[0].top_logprobs) == 3 and lp[0].logprob == -0.5
+    # what reached the engine: the sampling the client chose
+    seen = engine_requests(served)
+    assert any(x.get("seed") == 7 and x.get("temperature") == 0 and x["max_tokens"] == 5 for x in seen)
+    assert any(x.get("stop") == ["never"] and x.get("top_p") == 0.9 and x.get("logprobs") == 2 for x in seen)
+
+
+def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alike(served):
+    r = served.client.chat.completions.create(
+        model="fake", messages=MSG, max_tokens=2, extra_body={"vtoken": {"policy": "random", "budget": 0.25}}
+    )
+    rid = r.id.removeprefix("chatcmpl-")
+    opts = pb.VTokenOptions(policy="random", budget=0.3, sink=2)
+    list(stub(served.port).Generate(pb.GenerateRequest(prompt="hi", vtoken=opts), metadata=AUTH, timeout=30))
+    seen = {x["request_id"]: x.get("extra_args") for x in engine_requests(served)}
+    assert seen[rid] == {"vtoken": {"policy": "random", "budget": 0.25}}
+    assert {"vtoken": {"policy": "random", "budget": 0.3, "sink": 2}} in seen.values()
+    # h2o needs attention scores that this deployment's engine (policy streaming) does not collect
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.chat.completions.create(
+            model="fake", messages=MSG, max_tokens=2, extra_body={"vtoken": {"policy": "h2o"}}
+        )
+    http_message = e.value.body["message"]
+    assert e.value.body["param"] == "vtoken.policy" and "attention statistics" in http_message
+    with pytest.raises(grpc.RpcError) as g:
+        list(
+            stub(served.port).Generate(
+                pb.GenerateRequest(prompt="hi", vtoken=pb.VTokenOptions(policy="h2o")), metadata=AUTH, timeout=30
+            )
+        )
+    assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT and g.value.details() == http_message
+
+
+@pytest.mark.parametrize(
+    "path, body, code, param, needle",
+    [
+        ("/v1/chat/completions", b'{"messages": [', 400, None, "malformed JSON"),
+        ("/v1/chat/completions", b"[1, 2]", 400, None, "JSON object"),
+        ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, 400, "temperature", "valid number"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages.0.content", "empty"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "tool"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": -3}, 400, "max_tokens", "at least 1"),
+        ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "context"),
+        ("/v1/chat/completions", {"messages": MSG, "n": 2}, 400, "n", "n=1"),
+        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model", "gpt-4"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"polcy": "h2o"}}, 400, "vtoken.polcy", "per-request"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"budget": -1}}, 400, "vtoken", "budget"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": "h2o"}, 400, "vtoken", "object"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, 413, None, "max_request"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "batch"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+        ("/v1/embeddings", {"input": "hi"}, 404, None, "/v1/embeddings"),
+    ],
+)
+def test_bad_input_gets_openai_error_json_and_the_server_keeps_serving(served, path, body, code, param, needle):
+    r = post(served, path, body)
+    assert r.status_code == code, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and needle in err["message"] and err["param"] == param, err
+    assert "\n" not in err["message"] and "Traceback" not in err["message"]
+    assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices[0].finish_reason
+
+
+def test_bearer_token_on_every_path_but_health(served):
+    for token in (None, "wrong"):
+        for path in ("/v1/models", "/metrics"):
+            h = {"authorization": f"Bearer {token}"} if token else {}
+            assert httpx.get(served.url + path, headers=h, timeout=10).status_code == 401
+        r = post(served, "/v1/chat/completions", {"messages": MSG}, token=token)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.get(served.url + "/v1/models", headers={"authorization": f"bEaReR {TOKEN}"}, timeout=10)
+    assert r.status_code == 200  # the scheme in any case, as gRPC
+    r = httpx.get(served.url + "/health", timeout=10)
+    assert r.status_code == 200 and r.json()["healthy_replicas"] == 2
+
+
+def test_an_unexpected_failure_is_500_with_the_request_id_and_no_traceback(served):
+    class Broken:
+        def encode_chat(self, messages):
+            raise RuntimeError("boom in /srv/secret/path.py")
+
+    tok, served.http.tok = served.http.tok, Broken()
+    try:
+        r = post(served, "/v1/chat/completions", {"messages": MSG})
+    finally:
+        served.http.tok = tok
+    err = r.json()["error"]
+    assert r.status_code == 500 and "server id" in err["message"] and "secret" not in err["message"], err
+    assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices
+
+
+def test_over_max_inflight_is_429_for_http_and_grpc_together(served):
+    """max_inflight (6) bounds both doors at once: four HTTP streams and two gRPC streams fill it. (The pools
+    admit one of these requests per replica at a time: the others wait in the engines, admitted by the gateway.)"""
+    done = threading.Event()
+
+    def hold():
+        with httpx.Client(timeout=60) as h:
+            body = {"prompt": "hi", "max_tokens": 300, "stream": True}
+            with h.stream(
+                "POST", served.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {TOKEN}"}
+            ):
+                done.wait(30)  # leaving the block closes the stream: the request is aborted
+
+    grpc_calls = [
+        stub(served.port).Generate(
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=300)), metadata=AUTH, timeout=60
+        )
+        for _ in range(2)
+    ]
+    holders = [threading.Thread(target=hold) for _ in range(4)]
+    [t.start() for t in holders]
+    try:
+        wait_for(lambda: served.gateway.dispatcher.inflight >= 6, 10, what="six requests in flight")
+        with pytest.raises(openai.RateLimitError) as e:
+            served.client.completions.create(model="fake", prompt="hi", max_tokens=1)
+        assert e.value.status_code == 429 and "limit 6" in e.value.body["message"]
+    finally:
+        done.set()
+        for c in grpc_calls:
+            c.cancel()
+        [t.join(30) for t in holders]
+    wait_for(lambda: served.gateway.dispatcher.inflight == 0, 10, what="the streams released")
+    assert served.client.completions.create(model="fake", prompt="hi", max_tokens=1).choices
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_blocks_within_2s(served, stream):
+    st = stub(served.port)
+    body = {"messages": MSG, "max_tokens": 500, "stream": stream}
+    h = {"authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(timeout=httpx.Timeout(60, read=1.0 if not stream else 60)) as client:
+        if stream:
+            with client.stream("POST", served.url + "/v1/chat/completions", json=body, headers=h) as r:
+                lines = r.iter_lines()
+                assert [next(lines) for _ in range(4)]  # a few events in: the request runs
+        else:  # a client that gives up waiting for a whole answer
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(served.url + "/v1/chat/completions", json=body, headers=h)
+    t0 = time.monotonic()
+    wait_for(
+        lambda: (lambda t: t["free_blocks"] == t["total_blocks"] and t["running"] == 0)(status(st, AUTH)["totals"]),
+        2.0,
+        0.05,
+        what="all blocks free within 2 s of the disconnect",
+    )
+    print(f"blocks free {time.monotonic() - t0:.2f}s after the disconnect")
+    cli = subprocess.run(
+        [sys.executable, "-m", "vtoken.cli", "status", "--server", f"127.0.0.1:{served.port}", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "VTOKEN_TOKEN": TOKEN},
+    )
+    totals = json.loads(cli.stdout)["totals"]
+    assert totals["free_blocks"] == totals["total_blocks"] and totals["running"] == 0, cli.stdout
+
+
+def test_metrics_have_vllm_and_vtoken_names_and_move_with_load(served):
+    before = scrape(served)
+    assert METRICS <= before["families"], METRICS - before["families"]
+    running = [lab["replica"] for lab, _ in before["vllm:num_requests_running"]]
+    assert sorted(running) == ["http-replica-1", "http-replica-2"]  # one series per replica
+    assert all(lab["model_name"] == "fake" for lab, _ in before["vtoken:blocks_reclaimed"])
+
+    # an evicting request under way: the fake engine reports half its blocks as reclaimed
+    call = stub(served.port).Generate(
+        pb.GenerateRequest(prompt="x" * 100, sampling=pb.SamplingParams(max_tokens=150)), metadata=AUTH, timeout=60
+    )
+    next(call)
+    during = wait_for(
+        lambda: (lambda m: m if count(m, "vtoken:blocks_reclaimed") > 0 else None)(scrape(served)),
+        10,
+        0.1,
+        what="blocks reclaimed while the request runs",
+    )
+    assert count(during, "vllm:num_requests_running") >= 1 and count(during, "vllm:kv_cache_usage_perc") > 0
+    call.cancel()
+    for _ in range(2):
+        served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=4)
+    after = scrape(served)
+    assert count(after, "vllm:generation_tokens_total") >= count(before, "vllm:generation_tokens_total") + 8
+    assert count(after, "vllm:prompt_tokens_total") > count(before, "vllm:prompt_tokens_total")
+    assert count(after, "vtoken:requests_total", door="http", status="ok") >= (
+        count(before, "vtoken:requests_total", door="http", status="ok") + 2
+    )
+    assert count(after, "vtoken:requests_total", door="grpc", status="cancelled") >= 1
+    assert count(after, "vtoken:placements_total", strategy="free_blocks") >= (
+        count(before, "vtoken:placements_total", strategy="free_blocks") + 3
+    )
+    ttft = count(after, "vllm:time_to_first_token_seconds_count")
+    assert ttft >= count(before, "vllm:time_to_first_token_seconds_count") + 2
+    assert count(after, "vllm:e2e_request_latency_seconds_count") >= 2
+    assert count(after, "vllm:request_success_total", finished_reason="length") >= 2
+
+
+def test_capacity_stream_updates_when_a_request_starts_and_ends(served):
+    """WatchCapacity: the figures at once, an update once a request holds blocks, another once they are free."""
+    got: list[tuple[float, pb.CapacityUpdate]] = []
+    watch = stub(served.port).WatchCapacity(pb.WatchCapacityRequest(min_interval_s=0.25), metadata=AUTH, timeout=60)
+
+    def read():
+        try:
+            for u in watch:
+                got.append((time.monotonic(), u))
+        except grpc.RpcError:
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        first = wait_for(lambda: got and got[0][1], 10, 0.05, what="the first update")
+        assert {r.name for r in first.replicas} == {"http-replica-1", "http-replica-2"}
+        assert all(r.free_blocks == r.total_blocks == 16 and r.state == "healthy" for r in first.replicas)
+        assert all(r.block_size == 32 for r in first.replicas)
+        n = len(got)
+        served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=150)  # ~1.5 s
+        busy = [
+            u
+            for _, u in got[n:]
+            if any(r.running or r.promised_blocks or r.free_blocks < r.total_blocks for r in u.replicas)
+        ]
+        assert busy, [u for _, u in got]
+        wait_for(
+            lambda: (
+                got[-1][1] is not busy[-1]
+                and all(r.free_blocks == r.total_blocks and not r.running for r in got[-1][1].replicas)
+            ),
+            5,
+            0.05,
+            what="an update with every block free again",
+        )
+    finally:
+        watch.cancel()
+        reader.join(5)
+    seqs = [u.sequence for _, u in got]
+    assert seqs == list(range(1, len(seqs) + 1))
+    gaps = [b.time - a.time for (_, a), (_, b) in zip(got, got[1:])]
+    assert min(gaps) >= 0.24, gaps  # coalesced: at most one update per min_interval_s (the server's clock)
+
+
+def test_a_stream_the_server_aborts_mid_way_ends_in_an_error_event():
+    """A drain that runs out of time aborts the requests in flight: an HTTP stream then ends with an error event
+    (the OpenAI client raises), never a clean end after a truncated answer."""
+    import ray
+
+    ensure_ray()
+    with BackgroundServer(config("http-abort", replicas=1, gateway={"http_port": "any"})) as s:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1", api_key="none", max_retries=0)
+        stream = c.chat.completions.create(model="fake", messages=MSG, max_tokens=400, stream=True)
+        got = [next(stream), next(stream)]
+        replica = ray.get_actor(status(stub(s.port))["replicas"][0]["name"])
+        ray.get(replica.drain.remote(0.1), timeout=30)
+        with pytest.raises(openai.APIError) as e:
+            got.extend(stream)
+        assert "abort" in e.value.message, e.value.message
+        assert len(got) < 400
+
+
+def _self_signed(tmp_path):
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
+    """gateway.tls_cert/tls_key apply to the HTTP door too; a port another server holds is PortInUse naming
+    gateway.http_port (we bind the socket ourselves, without SO_REUSEPORT). No Ray: /v1/models needs none."""
+    import asyncio
+    import socket
+
+    from cluster.dispatch import Dispatcher
+    from cluster.gateway import PortInUse
+    from cluster.http_gateway import HttpGateway
+    from cluster.requests import Tokenizer
+
+    cert, key = _self_signed(tmp_path)
+    cfg = config("tls", gateway={"http_port": "any", "tls_cert": cert, "tls_key": key})
+
+    async def go():
+        gw = HttpGateway(cfg, None, Tokenizer(None), Dispatcher(cfg, None))
+        port = await gw.start()
+        try:
+            async with httpx.AsyncClient(verify=cert) as c:
+                r = await c.get(f"https://127.0.0.1:{port}/v1/models", timeout=10)
+                assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake"
+            async with httpx.AsyncClient() as c:
+                with pytest.raises(httpx.HTTPError):  # clear text is not served
+                    await c.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+            with socket.socket() as held:
+                held.bind(("127.0.0.1", 0))
+                held.listen()
+                busy = config("busy", gateway={"http_port": held.getsockname()[1]})
+                with pytest.raises(PortInUse, match="gateway.http_port: 127.0.0.1:.* is in use"):
+                    await HttpGateway(busy, None, Tokenizer(None), Dispatcher(busy, None)).start()
+        finally:
+            await gw.stop()
+
+    asyncio.run(go())
