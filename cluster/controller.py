@@ -62,6 +62,8 @@ class ReplicaState:
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
     error: str = ""  # why it failed to start
     restarted: str = ""  # the incarnation whose process was restarted because its engine died
+    alive_at: float = 0.0  # it last answered a ping (reports wait for the engine's step; pings do not)
+    probe: asyncio.Task | None = None
 
 
 def engine_factory(cfg: ServeConfig) -> EngineFactory:
@@ -269,8 +271,10 @@ class Controller:
             try:
                 now = time.monotonic()
                 for st in list(self.replicas.values()):
-                    if st.state == "healthy" and now - st.reported_at > self.cfg.placement.dead_after_s:
-                        await self.mark_failed(st.name, f"no report for {now - st.reported_at:.1f}s")
+                    quiet = now - max(st.reported_at, st.alive_at)
+                    if st.state == "healthy" and quiet > self.cfg.placement.dead_after_s:
+                        if st.probe is None or st.probe.done():
+                            st.probe = asyncio.ensure_future(self._probe(st, now - st.reported_at))
                 if now >= next_scale:
                     next_scale = now + 1.0
                     self._expire_promises(now)
@@ -281,6 +285,16 @@ class Controller:
             except Exception:
                 log.exception("controller monitor")
             await asyncio.sleep(0.25)
+
+    async def _probe(self, st: ReplicaState, silent_s: float) -> None:
+        """A replica silent for dead_after_s: a report waits for its engine's step (long prefills on a busy CPU
+        take seconds), so ask the actor itself before calling it dead. Engine death is reported, not silent."""
+        try:
+            await asyncio.wait_for(st.handle.ping.remote(), timeout=min(5.0, self.cfg.placement.dead_after_s))
+            st.alive_at = time.monotonic()
+            log.info("replica %s: no report for %.1fs, but it answers: busy, not dead", st.name, silent_s)
+        except Exception as e:  # no answer, or the actor is gone
+            await self.mark_failed(st.name, f"no report for {silent_s:.1f}s and no answer ({type(e).__name__})")
 
     # ------------------------------------------------------------------ scaling
     def _limit(self) -> int:

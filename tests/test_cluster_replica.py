@@ -158,3 +158,42 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
         assert ctl.replicas["a"].state == "healthy" and ctl.recoveries
 
     asyncio.run(go())
+
+
+def test_a_silent_replica_that_answers_a_ping_is_busy_not_dead():
+    """Reports wait for the engine's step; a long prefill on a busy CPU made a healthy replica look dead (6 s
+    without a report). The controller now asks the actor first: dead only if it does not answer."""
+
+    class Handle:
+        def __init__(self, answers: bool):
+            self.answers = answers
+            self.ping = self
+
+        def remote(self):
+            async def answer():
+                if not self.answers:
+                    await asyncio.sleep(60)
+                return {"ready": True}
+
+            return answer()
+
+    cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}, "placement": {"dead_after_s": 0.3}})
+    ctl = Controller(cfg.model_dump())
+    ctl.replicas["busy"] = ReplicaState("busy", handle=Handle(True), state="healthy", reported_at=time.monotonic())
+    ctl.replicas["gone"] = ReplicaState("gone", handle=Handle(False), state="healthy", reported_at=time.monotonic())
+    marked: list[str] = []
+
+    async def mark_failed(name, why=""):
+        marked.append(name)
+        ctl.replicas[name].state = "dead"
+
+    ctl.mark_failed = mark_failed
+
+    async def go():
+        monitor = asyncio.ensure_future(ctl._monitor())
+        await asyncio.sleep(1.5)
+        monitor.cancel()
+
+    asyncio.run(go())
+    assert ctl.replicas["busy"].state == "healthy" and ctl.replicas["busy"].alive_at > 0
+    assert marked == ["gone"]

@@ -136,7 +136,7 @@ def serve_config(args, requests: int):
         "model": args.model,
         "replicas": 2,
         "replica": {"num_cpus": 0.5, "pin_cpus": args.engine == "vllm"},
-        "gateway": {"port": 0, "max_inflight": max(64, 2 * requests)},
+        "gateway": {"port": 0, "http_port": 0, "max_inflight": max(64, 2 * requests)},  # gRPC only
     }
     if args.engine == "fake":  # the same shape in blocks: a heavy request ~20 of 45, a light one 3
         raw["engine"] = {"kind": "fake", "fake_total_blocks": 45, "fake_token_delay_s": 0.01}

@@ -103,8 +103,7 @@ class VTokenConfig(BaseModel):
                 f"vtoken request options {sorted(unknown)} are not per-request; "
                 f"a request may set {sorted(REQUEST_KEYS)}"
             )
-        cfg = self.model_copy(update=dict(overrides))
-        cfg = VTokenConfig(**cfg.model_dump())  # model_copy does not validate
+        cfg = VTokenConfig(**{**self.model_dump(), **overrides})  # validated (model_copy would not)
         needs = set(cfg.make_policy().needs)
         if needs and not (self.collect_scores or self.make_policy().needs):
             raise ValueError(
