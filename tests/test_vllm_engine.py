@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,3 +227,16 @@ def test_under_kv_pressure_vtoken_preempts_least_and_everything_is_freed():
     assert resumed and any(run["evicted_positions"] for t in resumed for run in t["preempted_runs"])
     check_exact(runs["naive"])
     check_exact(runs["vtoken"])
+
+
+def test_the_block_wise_scorer_makes_the_per_slot_scorers_decisions():
+    """Decode-only eviction (as before prefill eviction existed): h2o's and scissorhands' traces equal the ones
+    the earlier per-slot scorer produced on the same requests (tests/data, recorded with commit c83fb8e)."""
+    golden = json.loads((Path(__file__).parent / "data" / "traces_per_slot_scorer.json").read_text())
+    r = engine({"mode": "vtoken", "policy": "h2o", **EVICT, "prefill_evict": False}, options=MIXED)
+    for policy in ("h2o", "scissorhands"):
+        for old, new in zip(golden[policy], by_policy(r, policy).trace):
+            assert new["prompt_token_ids"] == old["prompt_token_ids"]
+            assert new["evicted_positions"] == old["evicted_positions"]
+            assert new["evicted_at_step"] == old["evicted_at_step"]
+            assert new["output_token_ids"] == old["output_token_ids"]
