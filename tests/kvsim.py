@@ -147,9 +147,9 @@ class KVSim:
                 continue  # not scheduled this step (vLLM would wait or preempt)
             r.blocks += self.pool.get_new_blocks(max(need, 0))
             r.computed += n
+            self.core.scheduled(rid, n, r.computed, r.outputs)  # as the engine: before this forward samples
             if r.computed >= self.core.states[rid].prefill_len:
                 r.outputs += 1
-            self.core.scheduled(rid, n, r.computed, r.outputs)
             ids = [b.block_id for b in r.blocks]
             slots = to_global_slots(np.arange(table.physical_len, table.physical_len + n), ids, self.bs)
             writes.append((r, slots, torch.randn(n, self.layers, 2, self.heads, self.hs, generator=self.gen)))

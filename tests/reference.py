@@ -46,7 +46,7 @@ def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0) -> np.n
     pos = np.asarray(run["evicted_positions"], dtype=np.int64)
     at = np.asarray(run["evicted_at_forward"], dtype=np.int64)
     if late:
-        at = np.where(at < len(run.get("prefill_chunks") or [0]), at + late, at)
+        at = np.where(at <= len(run.get("prefill_chunks") or [0]), at + late, at)
     died[pos] = at
     return np.tril(np.ones((n_rows, n_rows), dtype=bool)) & (fwd[:, None] < died[None, :])
 

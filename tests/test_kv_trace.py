@@ -181,3 +181,35 @@ def test_negative_control_without_prefill_eviction_the_bound_breaks():
     for _ in range(10):
         sim.step({"r": 8})
     assert sim.core.states["r"].record.over_bound > 0
+
+
+def test_shared_blocks_after_a_private_one_are_kept_whole_not_a_crash():
+    """vLLM can hand a request a mix of cached copies, so a block another request holds may follow a private one
+    (a review found that the planner then raised inside the scheduler). Every block up to the last shared one
+    is kept whole: nothing in it is evicted or moved."""
+    sim = KVSim(num_blocks=32, block_size=4)
+    sim.add("r", prompt=0, policy=make_policy("random", budget=4, sink=0, recent=0))
+    sim.step({"r": 20})
+    blocks = sim.reqs["r"].blocks
+    for b in (blocks[0], blocks[2]):
+        b.ref_cnt += 1  # another request holds blocks 0 and 2, not block 1
+    kept = [b.block_id for b in blocks[:3]]
+    sim.step({"r": 1})
+    sim.check()
+    st = sim.core.states["r"]
+    died = np.concatenate(st.record.died_pos)
+    assert died.size and died.min() >= 12  # nothing in the first three blocks died
+    assert [b.block_id for b in sim.reqs["r"].blocks[:3]] == kept and (st.table.slot_of[:12] == np.arange(12)).all()
+
+
+def test_the_boundary_after_the_last_chunk_evicts_whatever_the_interval():
+    """With interval=3 the last prefill chunk's tokens are not kept until decode step 3: the boundary after the
+    last chunk is a chunk boundary (policy step 0), as the bound in the README needs."""
+    sim = KVSim(num_blocks=64, block_size=4)
+    sim.add("r", prompt=40, policy=make_policy("random", budget=0.25, sink=0, recent=0, interval=3))
+    for _ in range(4):
+        sim.step({"r": 10})
+    sim.step({"r": 1})
+    rec = sim.core.states["r"].record
+    assert 4 in np.concatenate(rec.died_forward).tolist()  # evicted before forward 4, the first decode step
+    assert rec.over_bound <= 0

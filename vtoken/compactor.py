@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vtoken.mover import MoveBatch
-from vtoken.planner import plan_compaction, protected_prefix, to_global_slots
+from vtoken.planner import plan_compaction, to_global_slots
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord
 from vtoken.token_table import TokenTable
@@ -187,12 +187,10 @@ class Compactor:
         none = np.empty(0, dtype=np.int64)
         if st.table.num_logical == 0:
             return none
-        if st.in_prefill:
-            if not st.prefill_evict:
-                return none
-            step = 0  # a chunk boundary: the interval counts decode steps only
-        else:
-            step = num_output
+        if st.in_prefill and not st.prefill_evict:
+            return none
+        # A chunk boundary, the one after the last chunk included: the interval counts decode steps only.
+        step = 0 if st.prefill_evict and st.table.num_logical <= st.prefill_len else num_output
         policy = st.policy
         if policy.needs and stats is None:
             return none
@@ -204,17 +202,21 @@ class Compactor:
         inp = PolicyInput(st.table.num_logical, step, live, named, self._protected(st, live), st.record.seed)
         return policy.select(inp)
 
-    def _shared(self, st: RequestState) -> np.ndarray:
-        """Which of the request's blocks other requests also hold (ref_cnt > 1), e.g. a cached prefix."""
-        return np.array([b.ref_cnt > 1 for b in self.blocks_of(st.request_id)], dtype=bool)
+    def _protected_blocks(self, st: RequestState) -> int:
+        """Blocks at the head of the request's list that are never evicted from or moved: every block up to the
+        last one another request also holds (ref_cnt > 1, e.g. a cached prefix). Shared blocks are a prefix in
+        the usual case; after a cache entry was dropped mid-prefix, vLLM can hand a later request a mix of
+        copies, and a private block between two shared ones is then kept whole too (the planner moves nothing
+        below the protected length)."""
+        shared = np.flatnonzero([b.ref_cnt > 1 for b in self.blocks_of(st.request_id)])
+        return int(shared[-1]) + 1 if shared.size else 0
 
     def _protected(self, st: RequestState, live: np.ndarray) -> np.ndarray | None:
-        """Tokens in blocks shared with another request are never evicted (the paper's rule)."""
-        shared = self._shared(st)
-        if not shared.any():
+        """Tokens in protected blocks are never evicted (the paper's rule for shared blocks)."""
+        n = self._protected_blocks(st)
+        if not n:
             return None
-        slots = st.table.slot_of[live]
-        return shared[np.minimum(slots // self.bs, shared.size - 1)]
+        return st.table.slot_of[live] < n * self.bs
 
     def evict(self, st: RequestState, victims: np.ndarray, step: int = 0) -> tuple[MoveBatch, int]:
         """Kill ``victims`` (logical positions), pack the survivors, shrink the block list, free what emptied.
@@ -229,7 +231,7 @@ class Compactor:
         st.dirty = True
         blocks = self.blocks_of(st.request_id)
         ids = [b.block_id for b in blocks]
-        plan = plan_compaction(st.table.physical_live_mask(), ids, self.bs, protected_prefix(self._shared(st)))
+        plan = plan_compaction(st.table.physical_live_mask(), ids, self.bs, self._protected_blocks(st))
         # A block that lost or gained tokens must never be offered as a prefix-cache hit again
         # (vLLM: BlockPool.evict_blocks drops the hash and keeps the block).
         touched = np.unique(np.concatenate([holes, plan.src, plan.dst]) // self.bs)
@@ -287,7 +289,7 @@ class Compactor:
         if not st.prefill_evict:
             return None
         # Score the chunk's observation window only if the boundary after it may evict.
-        step_after = 0 if num_computed_after < st.prefill_len else num_output + 1
+        step_after = 0 if num_computed_after <= st.prefill_len else num_output + 1
         if step_after % policy.interval or live + new_tokens <= policy.target(num_computed_after):
             return None
         return ScoreAsk(min(st.window, new_tokens), policy.needs)

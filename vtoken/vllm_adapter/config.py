@@ -141,7 +141,10 @@ class RequestConfigs:
         return len(self._cache)
 
     def get(self, options: dict[str, Any] | None, request_id: str = "") -> tuple[EvictionPolicy, VTokenConfig]:
-        key = json.dumps(options, sort_keys=True) if options else ""
+        try:
+            key = json.dumps(options, sort_keys=True) if options else ""
+        except (TypeError, ValueError):  # keys of mixed types, values JSON cannot say: still one key per value
+            key = repr(options)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)

@@ -69,6 +69,8 @@ class VTokenRunnerMixin:
             self.vt_gaps.pop(rid, None)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             self.vt_gaps.pop(rid, None)  # resumed after preemption: recomputed from scratch, no gap
+        for new in so.scheduled_new_reqs:
+            self.vt_gaps.pop(new.req_id, None)  # (re)admitted as new: no gap yet, whatever it had before
         self.vt_observe, self.vt_export = step.observe, step.export
 
     def _vt_move(self, step: VTokenStep) -> None:

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 class VTokenScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        # The workers run vLLM's V1 runner (worker.py _force_v1_runner); Scheduler.__init__ copied the V2 choice
+        # from VllmConfig, and with it would send a resumed request as a new one (Scheduler._make_cached_request
+        # _data). Mirror of vllm/v1/core/sched/scheduler.py Scheduler.__init__ use_v2_model_runner.
+        self.use_v2_model_runner = False
         self.vt = VTokenConfig.from_vllm(vllm_config)
         self.vt_policies = RequestConfigs(self.vt)
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -199,20 +203,29 @@ class VTokenScheduler(Scheduler):
         and returns its ballast. Preemption recomputes every logical token, so a resumed request starts over."""
         rid = request.request_id
         st = self.vt_core.remove(rid, finished=request.is_finished())
+        if not request.is_finished():
+            if st is not None and self.vt_trace is not None:  # the trace keeps this run; the next starts over
+                run = {k: v for k, v in st.record.trace().items() if k not in ("preempted_runs", "logprobs")}
+                self.vt_resume[rid] = (st.record.earlier + [run], st.record.logprobs)
+        elif self.vt_trace is not None:
+            if st is not None:
+                line = st.record.trace()
+            elif rid in self.vt_resume:  # preempted, then finished (aborted) before it ran again
+                runs, logprobs = self.vt_resume[rid]
+                line = {**runs[-1], "preempted_runs": runs[:-1], **({"logprobs": logprobs} if logprobs else {})}
+            else:
+                line = None
+            if line is not None:
+                line = {
+                    "request_id": external_id(rid),
+                    "prompt_token_ids": list(request.prompt_token_ids or []),
+                    "output_token_ids": list(request.output_token_ids),
+                    **line,
+                }
+                self.vt_trace.write(json.dumps(line) + "\n")
+                self.vt_trace.flush()
         if request.is_finished():
-            self.vt_resume.pop(rid, None)  # aborted while waiting to resume
-        elif st is not None:  # preempted: the trace keeps this run, the next one starts from token 0
-            run = {k: v for k, v in st.record.trace().items() if k not in ("preempted_runs", "logprobs")}
-            self.vt_resume[rid] = (st.record.earlier + [run], st.record.logprobs)
-        if st is not None and request.is_finished() and self.vt_trace is not None:
-            line = {
-                "request_id": st.record.request_id,
-                "prompt_token_ids": list(request.prompt_token_ids or []),
-                "output_token_ids": list(request.output_token_ids),
-                **st.record.trace(),
-            }
-            self.vt_trace.write(json.dumps(line) + "\n")
-            self.vt_trace.flush()
+            self.vt_resume.pop(rid, None)
         super()._free_request_blocks(request)
 
     # ---------------------------------------------------------------- observability
