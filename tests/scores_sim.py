@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from vtoken.kv_layout import TableLayout
 from vtoken.mover import LAYOUTS, MoveBatch, make_mover
 from vtoken.planner import plan_compaction, to_global_slots
 from vtoken.scores import ATTN_HIST, ATTN_SUM
@@ -40,7 +41,7 @@ class ScoreSim:
         scorers: list,
         reqs: list[Req],
         *,
-        layout: str = "cpu",
+        layout="cpu",  # a view name or a TableLayout
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         heads: int = 4,
@@ -109,6 +110,10 @@ class ScoreSim:
         b = torch.as_tensor(slots // self.bs, device=self.device)
         o = torch.as_tensor(slots % self.bs, device=self.device)
         for kv in self.kv:
+            if isinstance(self.layout, TableLayout):  # K then V of each token, at their learned positions
+                data = self._rand((len(slots), self.kv_heads, 2 * self.d))[:, self.kv_slice]
+                kv.view(-1)[self.layout.positions(kv, b, o)] = data.to(self.device, self.dtype)
+                continue
             for view in LAYOUTS[self.layout](kv, self.bs):
                 data = self._rand((len(slots), self.kv_heads, view.shape[-1]))[:, self.kv_slice]
                 view[b, o] = data.to(self.device, self.dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kv_layout_sim import vnni_layout
 from scores_sim import ScoreSim, assert_same_stats, batch
 
 from vtoken.policies import ATTN_HIST, ATTN_SUM, PolicyInput, make_policy
@@ -16,6 +17,8 @@ from vtoken.scores_reference import NEAR_TIE, ReferenceScorer, window_probs
 
 
 def run(fast_cls=AttentionScorer, steps=9, evict=0.2, layout="cpu", device="cpu", dtype=torch.float32, **kw):
+    if layout == "vnni":  # vLLM's CPU layout with AMX (bf16): no strided view, a learned table
+        layout = vnni_layout(kw.get("block_size", 16), kw.get("head_size", 32))
     sim = ScoreSim([], batch(), layout=layout, device=device, dtype=dtype, **kw)
     num_slots = sim.kv[0].shape[0] * sim.bs
     fast = fast_cls(num_slots, sim.bs, layout, torch.device(device))
@@ -26,7 +29,7 @@ def run(fast_cls=AttentionScorer, steps=9, evict=0.2, layout="cpu", device="cpu"
     return sim, fast, ref
 
 
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("layout", ["cpu", "flash", "vnni"])
 def test_fast_scorer_equals_reference_with_compaction(layout):
     sim, fast, ref = run(layout=layout)
     assert sum(len(r.blocks) for r in sim.reqs) < sum(-(-r.table.num_logical // sim.bs) for r in sim.reqs)
@@ -34,7 +37,7 @@ def test_fast_scorer_equals_reference_with_compaction(layout):
     assert_same_stats(sim, fast, ref)
 
 
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("layout", ["cpu", "flash", "vnni"])
 def test_bf16_kv_is_scored_in_fp32(layout):
     sim, fast, ref = run(layout=layout, dtype=torch.bfloat16, steps=5)
     assert_same_stats(sim, fast, ref)
@@ -148,3 +151,17 @@ def test_cuda_step_never_waits_for_the_device():
     torch.cuda.synchronize()
     sim.step()
     sim.step(evict=0.2)
+
+
+def test_negative_control_a_table_layout_read_as_the_vec_view_is_caught():
+    """vLLM's AMX layout scored as if it were the vec kernel's (what vToken did before it learned layouts)."""
+    layout = vnni_layout(16, 32)
+    sim = ScoreSim([], batch(), layout=layout)
+    num_slots = sim.kv[0].shape[0] * sim.bs
+    fast = AttentionScorer(num_slots, sim.bs, "cpu", torch.device("cpu"))
+    ref = ReferenceScorer(num_slots, sim.bs, layout)
+    sim.scorers = [fast, ref]
+    for i in range(5):
+        sim.step(evict=0.2 if i % 2 else 0.0)
+    with pytest.raises(AssertionError):
+        assert_same_stats(sim, fast, ref)

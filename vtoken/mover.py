@@ -15,6 +15,10 @@ into views indexed ``[block, offset, ...]`` so the same code serves every backen
             K then V (the CUDA FlashAttention view ``kv.transpose(1, 2).split(head_size, -1)``).
 * ``slots`` any per-slot tensor ``[num_blocks * block_size, ...]`` (e.g. attention-score accumulators
             that must travel with their tokens).
+
+A layout no view describes (vLLM's CPU backend with AMX packs bf16 K and V in VNNI pairs) is a
+``vtoken.kv_layout.TableLayout``, learned from the backend's own cache write; the mover then gathers and
+scatters each token's elements by their positions in the cache.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vtoken.kv_layout import Layout, TableLayout
 
 ViewFn = Callable[[torch.Tensor, int], list[torch.Tensor]]
 
@@ -85,10 +91,17 @@ def _views(tensors: Sequence[torch.Tensor], layout: str, block_size: int) -> lis
     return [v for t in tensors for v in fn(t, block_size)]
 
 
+def _split(kv_caches: Sequence[torch.Tensor], layout: Layout, block_size: int):
+    """(views indexed [block, offset, ...], caches moved through a TableLayout's positions)."""
+    if isinstance(layout, TableLayout):
+        return [], list(kv_caches)
+    return _views(kv_caches, layout, block_size), []
+
+
 class CpuMover:
     """Applies a MoveBatch with one vectorised gather and one scatter per view, on the calling thread."""
 
-    def __init__(self, block_size: int, layout: str = "cpu") -> None:
+    def __init__(self, block_size: int, layout: Layout = "cpu") -> None:
         self.block_size = block_size
         self.layout = layout
         self.bytes_moved = 0
@@ -97,21 +110,28 @@ class CpuMover:
         s = torch.as_tensor(slots, dtype=torch.long).to(device, non_blocking=True)
         return s // self.block_size, s % self.block_size
 
-    def _move(self, views: list[torch.Tensor], batch: MoveBatch) -> None:
-        device = views[0].device
+    def _move(self, views: list[torch.Tensor], tables: list[torch.Tensor], batch: MoveBatch) -> None:
+        device = (views or tables)[0].device
         sb, so = self._index(batch.src, device)
         db, do = self._index(batch.dst, device)
+        pos: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per cache shape (every layer shares one)
+        for t in tables:
+            if t.shape not in pos:
+                pos[t.shape] = (self.layout.positions(t, sb, so), self.layout.positions(t, db, do))
         gathered = [v[sb, so] for v in views]  # gather everything first ...
+        taken = [t.view(-1)[pos[t.shape][0]] for t in tables]
         for v, g in zip(views, gathered):  # ... then scatter
             v[db, do] = g
-        self.bytes_moved += sum(g.numel() * g.element_size() for g in gathered)
+        for t, g in zip(tables, taken):
+            t.view(-1)[pos[t.shape][1]] = g
+        self.bytes_moved += sum(g.numel() * g.element_size() for g in gathered + taken)
 
     def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
         """Move the KV of ``batch.src`` to ``batch.dst`` in every layer, and in each per-slot ``extra``."""
         if len(batch) == 0:
             return
-        views = _views(kv_caches, self.layout, self.block_size) + _views(extra, "slots", self.block_size)
-        self._move(views, batch)
+        views, tables = _split(kv_caches, self.layout, self.block_size)
+        self._move(views + _views(extra, "slots", self.block_size), tables, batch)
 
 
 class CudaMover(CpuMover):
@@ -122,7 +142,7 @@ class CudaMover(CpuMover):
     reads the moved slots. The CPU never blocks.
     """
 
-    def __init__(self, block_size: int, layout: str = "flash", device: torch.device | str = "cuda") -> None:
+    def __init__(self, block_size: int, layout: Layout = "flash", device: torch.device | str = "cuda") -> None:
         super().__init__(block_size, layout)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
@@ -163,20 +183,30 @@ class CudaMover(CpuMover):
 class ReferenceMover:
     """Plain per-move reference for tests: copies every source token out, then writes each one back."""
 
-    def __init__(self, block_size: int, layout: str = "cpu") -> None:
+    def __init__(self, block_size: int, layout: Layout = "cpu") -> None:
         self.block_size = block_size
         self.layout = layout
 
     def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
-        views = _views(kv_caches, self.layout, self.block_size) + _views(extra, "slots", self.block_size)
+        views, tables = _split(kv_caches, self.layout, self.block_size)
+        views += _views(extra, "slots", self.block_size)
         bs = self.block_size
+
+        def at(t: torch.Tensor, s) -> torch.Tensor:  # one token's elements in a table-layout cache
+            b, o = torch.tensor([int(s) // bs]), torch.tensor([int(s) % bs])
+            return self.layout.positions(t, b, o).flatten()
+
         saved = [[v[int(s) // bs, int(s) % bs].clone() for s in batch.src] for v in views]
+        saved_t = [[t.view(-1)[at(t, s)].clone() for s in batch.src] for t in tables]
         for v, tokens in zip(views, saved):
             for d, tok in zip(batch.dst, tokens):
                 v[int(d) // bs, int(d) % bs] = tok
+        for t, tokens in zip(tables, saved_t):
+            for d, tok in zip(batch.dst, tokens):
+                t.view(-1)[at(t, d)] = tok
 
 
-def make_mover(device: torch.device | str, block_size: int, layout: str | None = None) -> CpuMover:
+def make_mover(device: torch.device | str, block_size: int, layout: Layout | None = None) -> CpuMover:
     """The mover for a device: a side-stream CudaMover on CUDA, the batched CpuMover elsewhere."""
     device = torch.device(device)
     if device.type == "cuda":

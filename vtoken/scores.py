@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vtoken.kv_layout import Layout, TableLayout
 from vtoken.mover import LAYOUTS
 from vtoken.planner import to_global_slots
 from vtoken.policies import ATTN_HIST, ATTN_SUM
@@ -81,16 +82,18 @@ class AttentionScorer:
 
     ``num_slots = num_blocks * block_size``; slot ``s`` is offset ``s % block_size`` of block
     ``s // block_size``. ``layout`` names one of ``vtoken.mover.LAYOUTS`` ("cpu": vLLM's CPU backend,
-    "flash": the CUDA FlashAttention view). Per step: ``reset_slots`` (slots written this step), then
-    ``begin_step``, one ``observe`` per attention layer, ``end_step``; ``export`` whenever asked.
+    "flash": the CUDA FlashAttention view) or is a ``vtoken.kv_layout.TableLayout`` (vLLM's CPU backend with
+    AMX, bf16: K^T is then gathered element by element from its learned positions). Per step:
+    ``reset_slots`` (slots written this step), then ``begin_step``, one ``observe`` per attention layer,
+    ``end_step``; ``export`` whenever asked.
     Invariant: with tensor parallelism every rank makes the same calls with the same rows and metadata, so
     ``end_step`` runs the same collective with the same shape everywhere (or none, when nothing is observed).
     """
 
     _CAUSAL_SLACK = 0  # keys up to p_q + slack are attended; tests plant 1 as a negative control
 
-    def __init__(self, num_slots: int, block_size: int, layout: str, device: torch.device, tp=None) -> None:
-        if layout not in LAYOUTS or layout == "slots":
+    def __init__(self, num_slots: int, block_size: int, layout: Layout, device: torch.device, tp=None) -> None:
+        if not isinstance(layout, TableLayout) and (layout not in LAYOUTS or layout == "slots"):
             raise ValueError(f"unknown KV layout {layout!r}; known: cpu, flash")
         if num_slots % block_size:
             raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
@@ -148,11 +151,14 @@ class AttentionScorer:
         if self._plan is None:
             self._plan = self._make_plan(attn_metadata)
         src, flat, stored_kt = self._k_source(kv_cache, query.shape[2])
+        self._kv_heads = kvh = src.shape[1] if src is not None else kv_cache.shape[1]
         if self._work is None:
             self._work = self._make_work(query, src, kv_cache.dtype)
-        wk, kvh = self._work, src.shape[1]
+        wk = self._work
         # K (stored K^T on CPU) of every observed row's blocks: one gather of whole (block, kv head) chunks.
-        if flat is not None:
+        if "kpos" in wk:  # a table layout: K^T element by element, from its positions in the cache
+            kt = torch.index_select(kv_cache.view(-1), 0, wk["kpos"], out=wk["k"].view(-1)).view(wk["k"].shape)
+        elif flat is not None:
             kt = torch.index_select(flat, 0, wk["kidx"], out=wk["k"])
         else:  # a layout whose heads do not nest inside blocks
             kt = src[wk["blocks"], torch.arange(kvh, device=self.device)[None, :, None]].flatten(0, 2)
@@ -187,7 +193,7 @@ class AttentionScorer:
         """This step's gather indices and work tensors, made at its first layer and reused by every layer
         (fresh tensors per layer cost page faults on CPU; per-layer index arithmetic costs dispatches)."""
         p, bs, dev = self._plan, self.block_size, self.device
-        r, kvh, d = len(self._rows), src.shape[1], query.shape[2]
+        r, kvh, d = len(self._rows), self._kv_heads, query.shape[2]
         g, n = query.shape[1] // kvh, r * kvh * p.nb
         half = kv_dtype != torch.float32
         if half and kv_dtype not in self._fp32_out_bmm:
@@ -201,7 +207,8 @@ class AttentionScorer:
             "compute": compute,
             "blocks": p.blocks[:, None, :],
             "kidx": (p.blocks[:, None, :] * kvh + heads[None, :, None]).flatten(),  # rows of [blocks * kvh, ...]
-            "k": torch.empty(n, *src.shape[2:], dtype=kv_dtype, device=dev),  # (block, kv head) in memory order
+            # (block, kv head) in memory order; K^T [D, bs] for a table layout
+            "k": torch.empty(n, *(src.shape[2:] if src is not None else (d, bs)), dtype=kv_dtype, device=dev),
             "qidx": (torch.arange(r * p.w, device=dev).view(r, 1, 1, p.w) * kvh + heads.view(1, kvh, 1, 1))
             .expand(r, kvh, p.nb, p.w)
             .flatten(),  # row (r * W + w) * kvh + h of the observed queries' [R*W*kvh, G*D] view
@@ -213,6 +220,10 @@ class AttentionScorer:
         }
         if half and compute == torch.float32:
             work["k32"] = torch.empty(n, d, bs, dtype=torch.float32, device=dev)
+        if isinstance(self.layout, TableLayout):
+            chunk = 2 * bs * d
+            kt = torch.as_tensor(self.layout.k_transposed(), device=dev).flatten()
+            work["kpos"] = (work["kidx"][:, None] * chunk + kt[None, :]).flatten()
         return work
 
     def end_step(self) -> None:
@@ -282,6 +293,8 @@ class AttentionScorer:
         """One layer's K as [blocks, kvh, X, Y] in memory order ((D, bs) for the CPU layout's stored K^T),
         flattened to [blocks * kvh, X, Y] when that is a view. Cached per cache tensor: the views hold the
         tensor's storage, so its address cannot be reused by another tensor while the entry lives."""
+        if isinstance(self.layout, TableLayout):
+            return None, None, True  # gathered through its positions (see _make_work's "kpos")
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype, head_size)
         hit = self._views.get(key)
         if hit is None:

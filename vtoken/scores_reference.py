@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vtoken.kv_layout import TableLayout
 from vtoken.mover import LAYOUTS
 from vtoken.planner import to_global_slots
 from vtoken.scores import ATTN_HIST, ATTN_SUM, uniform_share
@@ -75,7 +76,7 @@ class ReferenceScorer:
     at the hist threshold from a real difference. Statistics are float64.
     """
 
-    def __init__(self, num_slots: int, block_size: int, layout: str, device=None, tp=None) -> None:
+    def __init__(self, num_slots: int, block_size: int, layout, device=None, tp=None) -> None:
         self.block_size, self.layout, self.tp = block_size, layout, tp
         self.acc = torch.zeros(num_slots, dtype=torch.float64)
         self.hist = torch.zeros(num_slots, dtype=torch.int64)
@@ -99,7 +100,11 @@ class ReferenceScorer:
     def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float) -> None:
         if not self._todo:
             return
-        k_view = LAYOUTS[self.layout](kv_cache.cpu(), self.block_size)[0]  # [blocks, bs, kv_heads, >= D]
+        kv = kv_cache.cpu()
+        if isinstance(self.layout, TableLayout):
+            k_view = self.layout.tokens(kv)  # [blocks, bs, kv_heads, 2 * D], a copy
+        else:
+            k_view = LAYOUTS[self.layout](kv, self.block_size)[0]  # [blocks, bs, kv_heads, >= D]
         d = query.shape[-1]
         for r, n_q in self._todo:
             seq, end = int(md.seq_lens[r]), int(md.query_start_loc[r + 1])

@@ -17,6 +17,7 @@ import torch
 from vtoken.mover import make_mover
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.config import VTokenConfig
+from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.tp import TensorParallel
 
@@ -42,7 +43,11 @@ class VTokenRunnerMixin:
         out = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         bs = spec.block_size
-        layout = "cpu" if self.device.type == "cpu" else "flash"
+        if self.device.type == "cpu":  # the kernel vLLM picked here decides the layout (AMX packs bf16)
+            forward_context = self.compilation_config.static_forward_context
+            layout = learn_cpu_layout(forward_context, self.kv_caches[0].dtype, bs, spec.head_size)
+        else:
+            layout = "flash"
         self.vt_mover = make_mover(self.device, bs, layout)
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs

@@ -1,0 +1,117 @@
+"""Where a token's K and V elements lie inside one block of a layer's paged KV cache (worker side, no vLLM).
+
+Most backends store a block so that a strided view indexed ``[block, offset, ...]`` reaches every token
+(``vtoken.mover.LAYOUTS``: "cpu", "flash"). Some do not: vLLM's CPU backend on a machine with AMX stores bf16
+K and V packed in VNNI pairs (K as [block_size/16][head_size/2][16 tokens][2 elements], V as
+[head_size/16][block_size/2][16 elements][2 tokens], per block and kv head), which no view describes. A
+``TableLayout`` covers any such layout: for each offset in a block, the positions of the token's elements
+inside its (block, kv head) chunk. It is learned once per engine from the backend's own cache-write kernel
+(``learn``), so vToken never guesses a layout: a layout it recognises as a view keeps the view's fast path.
+
+A layer's cache is ``[num_blocks, num_kv_heads, ...]`` with each (block, kv head) chunk contiguous and
+``2 * block_size * head_size`` elements long (K and V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_EXACT = 256  # every integer up to this is exact in bf16, fp16 and fp32: the probe's codes stay below it
+
+
+@dataclass(frozen=True, eq=False)
+class TableLayout:
+    """``index`` int64 [block_size, 2 * head_size]: the chunk position of token ``t``'s K element ``e`` at
+    ``index[t, e]`` and of its V element ``e`` at ``index[t, head_size + e]``. A permutation of the chunk."""
+
+    index: np.ndarray
+
+    @property
+    def block_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def head_size(self) -> int:
+        return self.index.shape[1] // 2
+
+    def positions(self, kv: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Flat positions in ``kv`` of the tokens at (``blocks``, ``offsets``), both int64 [n]:
+        int64 [n, kv_heads, 2 * head_size] (K then V of every kv head)."""
+        heads, chunk = kv.shape[1], self.index.size
+        idx = torch.as_tensor(self.index, device=kv.device)
+        base = (blocks[:, None] * heads + torch.arange(heads, device=kv.device)[None, :]) * chunk
+        return base[:, :, None] + idx[offsets][:, None, :]
+
+    def k_transposed(self) -> np.ndarray:
+        """int64 [head_size, block_size]: chunk positions of K^T (the operand of q @ K^T)."""
+        return np.ascontiguousarray(self.index[:, : self.head_size].T)
+
+    def tokens(self, kv: torch.Tensor) -> torch.Tensor:
+        """A COPY of ``kv`` as [num_blocks, block_size, kv_heads, 2 * head_size] (K then V): for references and
+        tests, which read; writes go through ``positions``."""
+        nb, heads = kv.shape[:2]
+        flat = kv.reshape(nb, heads, -1)
+        return flat[:, :, torch.as_tensor(self.index, device=kv.device)].permute(0, 2, 1, 3)
+
+
+Layout = str | TableLayout
+
+
+def table_of(views: Callable[[torch.Tensor, int], list[torch.Tensor]], block_size: int, head_size: int) -> np.ndarray:
+    """The ``TableLayout.index`` a view layout (one of ``vtoken.mover.LAYOUTS``) describes."""
+    chunk = torch.arange(2 * block_size * head_size, dtype=torch.int64).view(1, 1, block_size, 2 * head_size)
+    return torch.cat([v[0, :, 0, :] for v in views(chunk, block_size)], dim=-1).numpy()
+
+
+def learn(write: Callable[..., None], block_size: int, head_size: int, dtype: torch.dtype) -> np.ndarray:
+    """The ``TableLayout.index`` of a backend, from its own cache write.
+
+    ``write(kv, key, value, slots)`` stores ``key`` and ``value`` [n, kv_heads, head_size] at global ``slots``
+    of ``kv`` [num_blocks, kv_heads, block_size, 2 * head_size] as the backend does. Three probes over two
+    blocks and two kv heads, each element coded by its token, its own index, or its (block, kv head) (K
+    positive, V negative, all exact in ``dtype``): chunk c must hold (block, head) ``divmod(c, 2)`` only, and
+    every chunk the same arrangement. Raises ValueError when the writes are not such a permutation."""
+    bs, d = block_size, head_size
+    if bs >= _EXACT or d >= _EXACT:
+        raise ValueError(f"cannot probe a KV layout with block_size {bs} or head_size {d} >= {_EXACT}")
+    nb = heads = 2
+    slots = torch.arange(nb * bs)
+    token = (slots % bs + 1)[:, None, None].expand(-1, heads, d)
+    elem = (torch.arange(d) + 1)[None, None, :].expand(nb * bs, heads, d)
+    where = (slots // bs * heads + 1)[:, None, None] + torch.arange(heads)[None, :, None].expand(-1, -1, d)
+    probes = []
+    for code in (token, elem, where):
+        kv = torch.zeros(nb, heads, bs, 2 * d, dtype=dtype)
+        code = code.to(dtype).contiguous()
+        write(kv, code, -code, slots)
+        probes.append(kv.float().reshape(nb * heads, -1).round().long().numpy())
+    tok, el, chunks = probes
+    chunk = 2 * bs * d
+    index = np.full((bs, 2 * d), -1, np.int64)
+    first = (tok[0] != 0) & (el[0] != 0)
+    pos = np.flatnonzero(first)
+    t, e = np.abs(tok[0, pos]) - 1, np.abs(el[0, pos]) - 1
+    col = np.where(tok[0, pos] > 0, e, d + e)
+    index[t, col] = pos
+    ok = first.all() and (index >= 0).all() and np.unique(index).size == chunk
+    ok = ok and all(np.array_equal(tok[c], tok[0]) and np.array_equal(el[c], el[0]) for c in range(1, nb * heads))
+    ok = ok and bool((np.abs(chunks) == np.arange(1, nb * heads + 1)[:, None]).all())
+    if not ok:
+        raise ValueError(
+            f"the backend's KV cache write is not a per-(block, kv head) permutation (block_size {bs}, "
+            f"head_size {d}, {dtype}): vToken cannot move its tokens"
+        )
+    return index
+
+
+def resolve(index: np.ndarray, views: dict[str, Callable]) -> Layout:
+    """The name of the view layout whose table ``index`` is (its fast path), else a ``TableLayout``."""
+    bs, d = index.shape[0], index.shape[1] // 2
+    for name, fn in views.items():
+        if name != "slots" and np.array_equal(table_of(fn, bs, d), index):
+            return name
+    return TableLayout(index)
