@@ -342,8 +342,14 @@ def test_capacity_stream_updates_when_a_request_starts_and_ends(served):
     try:
         first = wait_for(lambda: got and got[0][1], 10, 0.05, what="the first update")
         assert {r.name for r in first.replicas} == {"http-replica-1", "http-replica-2"}
-        assert all(r.free_blocks == r.total_blocks == 16 and r.state == "healthy" for r in first.replicas)
-        assert all(r.block_size == 32 for r in first.replicas)
+        assert all(r.total_blocks == 16 and r.block_size == 32 for r in first.replicas)
+        # The replicas are shared with the tests before this one: start from an update that shows them idle.
+        wait_for(
+            lambda: all(r.free_blocks == 16 and r.state == "healthy" and not r.running for r in got[-1][1].replicas),
+            15,
+            0.05,
+            what="an update with both replicas idle",
+        )
         n = len(got)
         served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=150)  # ~1.5 s
         busy = [
