@@ -37,6 +37,25 @@ def test_fast_scorer_equals_reference_with_compaction(layout):
     assert_same_stats(sim, fast, ref)
 
 
+class ByBlock(AttentionScorer):
+    """The path of steps with a lot of K (_score_by_block), on the small KV of these tests."""
+
+    _ROWS_BYTES = 0
+
+
+class LayerByLayer(AttentionScorer):
+    """One layer per softmax (the path of long prefill windows), on the small KV of these tests."""
+
+    _GROUP_BYTES = 0
+
+
+@pytest.mark.parametrize("fast_cls", [ByBlock, LayerByLayer])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_by_block_and_layer_by_layer_paths_equal_the_reference(fast_cls, dtype):
+    sim, fast, ref = run(fast_cls=fast_cls, dtype=dtype, steps=7)
+    assert_same_stats(sim, fast, ref)
+
+
 @pytest.mark.parametrize("layout", ["cpu", "flash", "vnni"])
 def test_bf16_kv_is_scored_in_fp32(layout):
     sim, fast, ref = run(layout=layout, dtype=torch.bfloat16, steps=5)

@@ -2,9 +2,10 @@
 
 Before each forward the model runner names the batch rows to observe and, for each, how many of the row's
 LAST queries (``begin_step``): 1 for a decode row, up to ``w`` for a prefill chunk (SnapKV's observation
-window). After every attention layer has written its KV, ``observe`` recomputes those queries' softmax
-attention over the row's physical slots. ``end_step`` sums the step over the TP group and folds it, query by
-query, into two per-slot statistics that the mover moves with their tokens (``extra_tensors``):
+window). After every attention layer has written its KV, ``observe`` takes that layer's observed queries;
+``end_step`` recomputes their softmax attention over the row's physical slots, sums the step over the TP group
+and folds it, query by query, into two per-slot statistics that the mover moves with their tokens
+(``extra_tensors``):
 
   attn_sum  float32 [num_slots]  attention received, summed over layers, ALL heads and observed queries
   attn_hist int64   [num_slots]  shift register; every observed query shifts one bit into each key it
@@ -16,16 +17,22 @@ the row's keys at physical positions 0..p_q (causal, itself included); a decode 
 ``vtoken/scores_reference.py`` computes the same numbers the plain way; the tests hold one to the other.
 
 One fast path for every row of the step at once, decode rows and prefill windows alike (no Python work per
-request, query or slot; per layer seven tensor ops into buffers reused by every layer of the step):
+request, query or slot). During the forward each layer only hands over its observed queries; ``end_step`` then
+scores every layer back to back (between two layers the model's weights would push the scorer's small tensors
+out of the CPU's caches, which made each of its ops two to three times slower), three tensor ops a layer:
 
-    block table of the observed rows, padded to NB blocks     [R, NB]     NB = blocks of the longest row
-    K^T of those blocks, one gather of whole (block, head)  -> [R*kvh*NB, D, bs]  (the CPU layout stores
-                                                               K^T per block: copied as it lies)
-    q of each (row, kv head), repeated per block            -> [R*kvh*NB, W*G, D]  (G = heads per kv head)
-    logits = q @ K^T, one bmm, fp32 accumulation            -> [R*kvh*NB, W*G, bs]
-    * scale, -inf past each query, keys made contiguous     -> [R, kvh, W, G, NB*bs]   (one op)
-    softmax over keys (denominator once per row, head and query), summed over layers in the step's buffer;
-    over heads and TP ranks once per step, then folded query by query in ``end_step``
+    block table of the observed rows, padded to NB blocks      [R, NB]     NB = blocks of the longest row
+    q of the observed queries, grouped by kv head           -> [R*kvh, W*G, D]  (G = heads per kv head; a view
+                                                               for decode rows)
+    K^T of each (row, kv head), its blocks side by side     -> [R*kvh, D, K]    K = NB * bs; one gather of
+                                                               rows of the cache (the CPU layout stores K^T
+                                                               per block: bs-element rows as they lie)
+    scale * q @ K^T, -inf past each query: one baddbmm      -> the step's buffer [layers, R, kvh, W, G, K]
+    once per group of layers (all of a decode step's): softmax over keys (the denominator once per row, head
+    and query) summed over layers and heads; over TP ranks once per step, then folded query by query
+
+A layer with more than ``_ROWS_BYTES`` of K reads whole K^T blocks in order instead (``_score_by_block``: a
+row of every block in turn outruns the CPU's prefetching there), one bmm per block.
 
 Padding: rows shorter than NB blocks and queries past a row's n_q are computed and then masked (bias -inf,
 statistics routed to a trash slot past ``num_slots``); the waste is bounded by the longest observed row.
@@ -68,7 +75,7 @@ class _StepPlan(NamedTuple):
     tok: torch.Tensor  # int64 [R*W]: token index of each observed query in the layer's ``query``
     blocks: torch.Tensor  # int64 [R, NB]: the rows' block tables, padded
     allowed: torch.Tensor  # bool [R, W, K]: key k is at or before query w (and w is a real query)
-    bias: torch.Tensor  # float32 [R, 1, W, 1, NB, bs]: 0 where allowed, -inf elsewhere
+    bias: torch.Tensor  # float32 [R, 1, W, 1, K]: 0 where allowed, -inf elsewhere
     slots: torch.Tensor  # int64 [R*K]: global slot of each key; the trash slot past the row's seq_len
     pos: torch.Tensor  # int64 [R, W]: physical position of each query (padding repeats the last one)
     shift: torch.Tensor  # int64 [R, W]: n_q - 1 - j, where query j's bit ends up in attn_hist
@@ -106,7 +113,7 @@ class AttentionScorer:
         self._hist = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.acc, self.hist = self._acc[:num_slots], self._hist[:num_slots]
         self._fp32_out_bmm: dict[torch.dtype, bool] = {}  # per half dtype: has torch an fp32-output bmm here?
-        self._views: dict[tuple, tuple] = {}  # per KV cache tensor: its K views (see _k_source)
+        self._buffers: dict[str, torch.Tensor] = {}  # work storage that every step reuses (see _scratch)
         self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
         self.rows: np.ndarray = np.empty(0, np.int64)  # rows observed in the last finished step
         self._seq: torch.Tensor | None = None  # and their physical seq_lens
@@ -136,8 +143,10 @@ class AttentionScorer:
     def _begin(self, rows: np.ndarray, n_queries: np.ndarray) -> None:
         self._rows, self._nq = rows, n_queries
         self._plan: _StepPlan | None = None
-        self._w5: torch.Tensor | None = None  # [R, kvh, W, G, K] probabilities summed over layers
+        self._w: torch.Tensor | None = None  # [R, W, K] probabilities summed over flushed layers and heads
         self._work: dict | None = None  # this step's gather indices and work tensors (see _make_work)
+        self._seen: list[tuple] = []  # per observed layer: (its observed queries, its KV cache, scale)
+        self._pending = 0  # layers in the work buffer, not yet flushed into _w
         self._layers = self._heads = 0  # layers observed this step, query heads per layer on this rank
 
     def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float) -> None:
@@ -150,90 +159,151 @@ class AttentionScorer:
             return
         if self._plan is None:
             self._plan = self._make_plan(attn_metadata)
-        src, flat, stored_kt = self._k_source(kv_cache, query.shape[2])
-        self._kv_heads = kvh = src.shape[1] if src is not None else kv_cache.shape[1]
-        if self._work is None:
-            self._work = self._make_work(query, src, kv_cache.dtype)
-        wk = self._work
-        # K (stored K^T on CPU) of every observed row's blocks: one gather of whole (block, kv head) chunks.
-        if "kpos" in wk:  # a table layout: K^T element by element, from its positions in the cache
-            kt = torch.index_select(kv_cache.view(-1), 0, wk["kpos"], out=wk["k"].view(-1)).view(wk["k"].shape)
-        elif flat is not None:
-            kt = torch.index_select(flat, 0, wk["kidx"], out=wk["k"])
-        else:  # a layout whose heads do not nest inside blocks
-            kt = src[wk["blocks"], torch.arange(kvh, device=self.device)[None, :, None]].flatten(0, 2)
-        kt = kt if stored_kt else kt.transpose(1, 2)  # [N, D, bs]
-        if "k32" in wk:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered blocks
-            kt = wk["k32"].copy_(kt)
-        # q of each (row, kv head), repeated for each of the row's blocks (the one copy a block-batched bmm
-        # needs): the observed tokens' rows, then their (token, kv head) rows in the bmm's layout
-        # [R, kvh, NB, W, G*D] = [N, W*G, D]; two plain index_selects (advanced indexing costs 4x here).
-        q = torch.index_select(query, 0, self._plan.tok)  # [R*W, heads, D], contiguous
-        q = q.view(-1, q.shape[1] * q.shape[2] // kvh)
+        # Only the observed queries are taken now. The scoring runs in end_step, every layer back to back: between
+        # two layers the model's weights would push the scorer's few small tensors out of the CPU's caches, which
+        # made each of its ops two to three times slower.
+        self._seen.append((torch.index_select(query, 0, self._plan.tok), kv_cache, scale))
+        self._heads = query.shape[1]
+
+    def _score_layers(self) -> None:
+        """Every observed layer: gather K, q @ K^T, scale and mask into the step's buffer; softmax per group."""
+        if not self._seen:
+            return
+        p = self._plan
+        wk = self._work = self._make_work(*self._seen[0][:2])
+        kvh, keys = wk["kvh"], p.nb * self.block_size
+        for q, kv_cache, scale in self._seen:
+            if wk["by_block"]:
+                self._score_by_block(wk, q, kv_cache, scale)
+                continue
+            g, d = q.shape[1] // kvh, q.shape[2]
+            # q [R*W, heads, D] -> [R*kvh, W*G, D] (a view for decode rows, W = 1)
+            q = q.view(len(self._rows), p.w, kvh, g, d).transpose(1, 2).reshape(-1, p.w * g, d)
+            if q.dtype != wk["compute"]:
+                q = q.to(wk["compute"])
+            # K^T of every observed row's blocks side by side: one gather of rows (or elements) of the cache
+            kt = torch.index_select(self._k_source(kv_cache, wk["rowlen"]), 0, wk["kidx"], out=wk["k"])
+            kt = kt.view(-1, d, keys) if wk["stored_kt"] else kt.view(-1, keys, d).transpose(1, 2)  # [R*kvh, D, K]
+            if "k32" in wk:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered K
+                kt = wk["k32"].view(kt.shape).copy_(kt)
+            # q @ K^T * scale, -inf where not attended, into this layer's place in the step's buffer
+            out = wk["masked"][self._pending]  # [R, kvh, W, G, K] = [R*kvh, W*G, K]
+            if q.dtype == torch.float32:  # one op: bias + scale * (q @ K^T), fp32 throughout
+                torch.baddbmm(wk["bias"], q, kt, alpha=scale, out=out.view(wk["bias"].shape))
+            else:  # half-precision products with an fp32 result (CUDA)
+                logits = torch.bmm(q, kt, out_dtype=torch.float32).view(out.shape)
+                torch.add(p.bias, logits, alpha=scale, out=out)
+            self._next_layer()
+        self._flush()
+        self._layers = len(self._seen)
+
+    def _next_layer(self) -> None:
+        self._pending += 1
+        if self._pending == self._work["masked"].shape[0]:
+            self._flush()
+
+    def _score_by_block(self, wk: dict, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+        """One layer when its K passes ``_ROWS_BYTES``: reading a row of every block in turn would outrun the
+        CPU's prefetching, so whole K^T blocks are read in order, each (row, kv head)'s q is repeated for each
+        of its blocks, one bmm runs per block, and the masking pass lays each row's keys side by side."""
+        d = query.shape[2]
+        kt = torch.index_select(self._k_source(kv_cache, wk["rowlen"]), 0, wk["kidx"], out=wk["k"])
+        kt = kt.view(-1, d, self.block_size)  # [R*kvh*NB, D, bs]
+        if "k32" in wk:
+            kt = wk["k32"].view(kt.shape).copy_(kt)
+        q = query.view(-1, query.shape[1] * d // wk["kvh"])  # [R*W*kvh, G*D]
         if q.dtype == wk["compute"]:
             q = torch.index_select(q, 0, wk["qidx"], out=wk["q"])
         else:
             q = torch.index_select(q, 0, wk["qidx"]).to(wk["compute"])
-        q = q.view(kt.shape[0], -1, query.shape[2])
+        q = q.view(kt.shape[0], -1, d)  # [R*kvh*NB, W*G, D]
         if q.dtype == torch.float32:
-            torch.bmm(q, kt, out=wk["logits"])  # [N, W*G, bs], seen as [R, kvh, W, G, NB, bs] by "logits6"
+            torch.bmm(q, kt, out=wk["logits"])  # [R*kvh*NB, W*G, bs], seen as [R, kvh, W, G, NB, bs] by "logits6"
         else:
             wk["logits"].copy_(torch.bmm(q, kt, out_dtype=torch.float32))
-        # One pass: * scale, -inf where not attended, and each row's keys made contiguous for the softmax.
-        torch.add(self._plan.bias, wk["logits6"], alpha=scale, out=wk["masked"])
-        probs = torch.softmax(wk["masked5"], dim=-1)  # [R, kvh, W, G, K]
-        if self._w5 is None:
-            self._w5 = probs
-        else:
-            self._w5.add_(probs)
-        self._layers += 1
-        self._heads = query.shape[1]
+        out = wk["masked"][self._pending].view(wk["logits6"].shape)
+        torch.add(self._plan.bias.view(wk["bias6"]), wk["logits6"], alpha=scale, out=out)
+        self._next_layer()
 
-    def _make_work(self, query: torch.Tensor, src: torch.Tensor, kv_dtype) -> dict:
-        """This step's gather indices and work tensors, made at its first layer and reused by every layer
-        (fresh tensors per layer cost page faults on CPU; per-layer index arithmetic costs dispatches)."""
+    def _flush(self) -> None:
+        """Softmax over keys of the buffered layers at once, summed over layers and heads into ``_w``."""
+        n, self._pending = self._pending, 0
+        if n:
+            # [layers, R, kvh, W, G, K] -> [R, W, K], one dimension at a time: torch's CPU reduction over the
+            # three at once is about seven times slower
+            w = torch.softmax(self._work["masked"][:n], dim=-1).sum(0).sum(3).sum(1)
+            self._w = w if self._w is None else self._w.add_(w)
+
+    # Work buffers of one step: the layers batched into one softmax hold at most this many bytes of logits.
+    _GROUP_BYTES = 8 << 20
+    _GROUP_LAYERS = 64
+    # K of one layer past this many bytes is read block by block (_score_by_block).
+    _ROWS_BYTES = 4 << 20
+
+    def _make_work(self, query: torch.Tensor, kv_cache: torch.Tensor) -> dict:
+        """This step's gather indices and work tensors, made once and reused by every layer (fresh tensors per
+        layer cost page faults on CPU; per-layer index arithmetic costs dispatches). ``query``: one layer's
+        observed queries [R*W, heads, D]."""
         p, bs, dev = self._plan, self.block_size, self.device
-        r, kvh, d = len(self._rows), self._kv_heads, query.shape[2]
-        g, n = query.shape[1] // kvh, r * kvh * p.nb
+        r, d, kv_dtype = len(self._rows), query.shape[2], kv_cache.dtype
+        k_bytes = r * kv_cache.shape[1] * d * p.nb * bs * kv_cache.element_size()
+        kvh, rows_of, rowlen, stored_kt, by_block = self._k_rows(kv_cache, d, k_bytes > self._ROWS_BYTES)
+        g, keys = query.shape[1] // kvh, p.nb * bs
         half = kv_dtype != torch.float32
         if half and kv_dtype not in self._fp32_out_bmm:
             self._fp32_out_bmm[kv_dtype] = _has_fp32_out_bmm(dev, kv_dtype)
         fp32_out = half and self._fp32_out_bmm[kv_dtype] and query.dtype == kv_dtype
         compute = kv_dtype if fp32_out else torch.float32
-        heads = torch.arange(kvh, device=dev)
-        logits = torch.empty(n, p.w * g, bs, dtype=torch.float32, device=dev)
-        masked = torch.empty(r, kvh, p.w, g, p.nb, bs, dtype=torch.float32, device=dev)
+        kidx = rows_of(p.blocks)  # [R, kvh, ...] rows of the cache's row view, in [R*kvh, D, K] order
+        per_layer = r * kvh * p.w * g * keys * 4
+        group = max(1, min(self._GROUP_LAYERS, self._GROUP_BYTES // per_layer))
         work = {
+            "by_block": by_block,
+            "kvh": kvh,
+            "rowlen": rowlen,
+            "stored_kt": stored_kt,
             "compute": compute,
-            "blocks": p.blocks[:, None, :],
-            "kidx": (p.blocks[:, None, :] * kvh + heads[None, :, None]).flatten(),  # rows of [blocks * kvh, ...]
-            # (block, kv head) in memory order; K^T [D, bs] for a table layout
-            "k": torch.empty(n, *(src.shape[2:] if src is not None else (d, bs)), dtype=kv_dtype, device=dev),
-            "qidx": (torch.arange(r * p.w, device=dev).view(r, 1, 1, p.w) * kvh + heads.view(1, kvh, 1, 1))
-            .expand(r, kvh, p.nb, p.w)
-            .flatten(),  # row (r * W + w) * kvh + h of the observed queries' [R*W*kvh, G*D] view
-            "q": torch.empty(n * p.w, g * d, dtype=compute, device=dev),
-            "logits": logits,
-            "logits6": logits.view(r, kvh, p.nb, p.w, g, bs).permute(0, 1, 3, 4, 2, 5),
-            "masked": masked,
-            "masked5": masked.view(r, kvh, p.w, g, p.nb * bs),
+            "kidx": kidx.flatten(),
+            "k": self._scratch("k", (kidx.numel(), rowlen), kv_dtype),
+            # the mask as baddbmm's addend: 0 where attended, -inf elsewhere, per (row, kv head) [R*kvh, W*G, K]
+            "bias": p.bias.expand(r, kvh, p.w, g, keys).reshape(r * kvh, p.w * g, keys),
+            "masked": self._scratch("masked", (group, r, kvh, p.w, g, keys), torch.float32),
         }
         if half and compute == torch.float32:
-            work["k32"] = torch.empty(n, d, bs, dtype=torch.float32, device=dev)
-        if isinstance(self.layout, TableLayout):
-            chunk = 2 * bs * d
-            kt = torch.as_tensor(self.layout.k_transposed(), device=dev).flatten()
-            work["kpos"] = (work["kidx"][:, None] * chunk + kt[None, :]).flatten()
+            work["k32"] = self._scratch("k32", (r * kvh * d * keys,), torch.float32)
+        if by_block:  # see _score_by_block
+            n, heads = r * kvh * p.nb, torch.arange(kvh, device=dev)
+            logits = self._scratch("logits", (n, p.w * g, bs), torch.float32)
+            work["qidx"] = (  # row (r * W + w) * kvh + h of the observed queries' [R*W*kvh, G*D] view
+                (torch.arange(r * p.w, device=dev).view(r, 1, 1, p.w) * kvh + heads.view(1, kvh, 1, 1))
+                .expand(r, kvh, p.nb, p.w)
+                .flatten()
+            )
+            work["q"] = self._scratch("q", (n * p.w, g * d), compute)
+            work["logits6"] = logits.view(r, kvh, p.nb, p.w, g, bs).permute(0, 1, 3, 4, 2, 5)
+            work["bias6"] = (r, 1, p.w, 1, p.nb, bs)
+            work["logits"] = logits
         return work
 
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A work tensor over storage kept from step to step (grown by half when too small): a fresh allocation
+        every step faults its pages in again, which costs more than the small ops that use it."""
+        n, buf = math.prod(shape), self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            grown = int(1.5 * buf.numel()) if buf is not None and buf.dtype == dtype else 0
+            buf = self._buffers[name] = torch.empty(max(n, grown), dtype=dtype, device=self.device)
+        return buf[:n].view(shape)
+
     def end_step(self) -> None:
-        """Fold this step's attention into ``attn_sum`` and ``attn_hist`` (after the TP all-reduce)."""
-        p, w5, total = self._plan, self._w5, self._layers * self._heads * self.tp.world
+        """Score the step's layers, then fold its attention into ``attn_sum`` and ``attn_hist`` (after the TP
+        all-reduce)."""
+        self._score_layers()
+        p, w, total = self._plan, self._w, self._layers * self._heads * self.tp.world
         self.rows, self._seq = self._rows, (p.seq if p is not None else None)
         self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
-        if w5 is None:
+        if w is None:
             return
-        w = self.tp.sum_scores(w5.sum((1, 3)))  # [R, W, K]: this rank's heads -> all heads
+        w = self.tp.sum_scores(w)  # [R, W, K]: this rank's heads -> all heads
         w = w.masked_fill(~p.allowed, 0.0)  # padding queries, and keys after each query
         self._acc.index_add_(0, p.slots, w.sum(1).flatten())
         share = w / total
@@ -286,30 +356,56 @@ class AttentionScorer:
         slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(self._rows), -1)
         slots = torch.where(kpos[None, :] < seq[:, None], slots, self.num_slots).flatten()
         shift = nq[:, None] - 1 - j[None, :]
-        bias = bias.view(len(self._rows), 1, w, 1, nb, bs)
+        bias = bias.view(len(self._rows), 1, w, 1, nb * bs)
         return _StepPlan(tok, blocks, allowed, bias, slots, pos, shift, seq, w, nb)
 
-    def _k_source(self, kv_cache: torch.Tensor, head_size: int):
-        """One layer's K as [blocks, kvh, X, Y] in memory order ((D, bs) for the CPU layout's stored K^T),
-        flattened to [blocks * kvh, X, Y] when that is a view. Cached per cache tensor: the views hold the
-        tensor's storage, so its address cannot be reused by another tensor while the entry lives."""
+    def _k_rows(self, kv_cache: torch.Tensor, head_size: int, by_block: bool = False):
+        """How to gather one layer's K for the observed rows: (kv heads, ``rows_of(blocks)`` -> int64 rows of
+        the row view [R, kvh, ...] in [R*kvh, D, K] order, row length, whether the rows hold K^T, whether the
+        rows are whole K^T blocks [R, kvh, NB] instead). ``by_block``: whole blocks where the layout keeps a
+        block's K^T in one piece (the CPU layout).
+
+        A layout whose K, per (block, kv head), is a strided [X, Y] block with rows of Y contiguous elements is
+        read by whole rows: K^T rows of bs tokens in the CPU layout (X = D), K rows of D elements elsewhere
+        (X = bs, transposed for the product). A TableLayout is read element by element at its positions."""
+        bs, d, dev = self.block_size, head_size, self.device
         if isinstance(self.layout, TableLayout):
-            return None, None, True  # gathered through its positions (see _make_work's "kpos")
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype, head_size)
-        hit = self._views.get(key)
-        if hit is None:
-            k = LAYOUTS[self.layout](kv_cache, self.block_size)[0][..., :head_size]  # [nb, bs, kvh, D]
-            k = k.permute(0, 2, 1, 3)  # [nb, kvh, bs, D]
-            transposed = k.stride(2) == 1 and k.stride(3) != 1  # the CPU layout stores K^T per block
-            src = k.transpose(2, 3) if transposed else k  # copy blocks in their memory order
-            try:
-                flat = src.view(src.shape[0] * src.shape[1], *src.shape[2:])
-            except RuntimeError:
-                flat = None
-            if len(self._views) > 4096:  # vLLM's caches live as long as the engine; tests make many
-                self._views.clear()
-            hit = self._views[key] = (src, flat, transposed)
-        return hit
+            kvh, chunk = kv_cache.shape[1], 2 * bs * d
+            kt = torch.as_tensor(self.layout.k_transposed(), device=dev)  # [D, bs]
+
+            def rows_of(blocks):  # elements [R, kvh, D, NB, bs]
+                base = (blocks[:, None, :] * kvh + torch.arange(kvh, device=dev)[None, :, None]) * chunk
+                return base[:, :, None, :, None] + kt[None, None, :, None, :]
+
+            return kvh, rows_of, 1, True, False
+        k = LAYOUTS[self.layout](kv_cache, bs)[0][..., :d].permute(0, 2, 1, 3)  # [nb, kvh, bs, D]
+        stored_kt = k.stride(2) == 1 and k.stride(3) != 1  # the CPU layout stores K^T per block
+        src = k.transpose(2, 3) if stored_kt else k  # [nb, kvh, X, Y] in memory order
+        kvh, rowlen = src.shape[1], src.shape[3]
+        st, off = src.stride(), src.storage_offset() - kv_cache.storage_offset()
+        if st[3] != 1 or any(x % rowlen for x in (*st[:3], off)):
+            raise ValueError(f"KV layout {self.layout!r} has no rows of K the scorer can gather")
+        x = torch.arange(src.shape[2], device=dev)
+        heads = torch.arange(kvh, device=dev)
+        block = src.shape[2] * rowlen  # elements of one (block, kv head)'s K^T when it lies in one piece
+        if by_block and stored_kt and st[2] == rowlen and not any(v % block for v in (st[0], st[1], off)):
+
+            def blocks_of(blocks):  # whole K^T blocks [R, kvh, NB]
+                return (blocks[:, None, :] * st[0] + heads[None, :, None] * st[1] + off) // block
+
+            return kvh, blocks_of, block, True, True
+
+        def rows_of(blocks):  # rows [R, kvh, X, NB] (K^T: D rows per block) or [R, kvh, NB, X] (K: bs rows)
+            b = blocks[:, None, None, :] if stored_kt else blocks[:, None, :, None]
+            xx = x[None, None, :, None] if stored_kt else x[None, None, None, :]
+            return (b * st[0] + heads[None, :, None, None] * st[1] + xx * st[2] + off) // rowlen
+
+        return kvh, rows_of, rowlen, stored_kt, False
+
+    @staticmethod
+    def _k_source(kv_cache: torch.Tensor, rowlen: int) -> torch.Tensor:
+        """The cache as rows of ``rowlen`` elements (a view: vLLM allocates each layer contiguously)."""
+        return kv_cache.view(-1, rowlen)
 
 
 def uniform_share(num_attended):
