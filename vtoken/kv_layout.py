@@ -31,10 +31,6 @@ class TableLayout:
     index: np.ndarray
 
     @property
-    def block_size(self) -> int:
-        return self.index.shape[0]
-
-    @property
     def head_size(self) -> int:
         return self.index.shape[1] // 2
 

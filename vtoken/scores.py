@@ -222,7 +222,7 @@ class AttentionScorer:
         else:
             wk["logits"].copy_(torch.bmm(q, kt, out_dtype=torch.float32))
         out = wk["masked"][self._pending].view(wk["logits6"].shape)
-        torch.add(self._plan.bias.view(wk["bias6"]), wk["logits6"], alpha=scale, out=out)
+        torch.add(wk["bias6"], wk["logits6"], alpha=scale, out=out)
         self._next_layer()
 
     def _flush(self) -> None:
@@ -265,13 +265,13 @@ class AttentionScorer:
             "compute": compute,
             "kidx": kidx.flatten(),
             "k": self._scratch("k", (kidx.numel(), rowlen), kv_dtype),
-            # the mask as baddbmm's addend: 0 where attended, -inf elsewhere, per (row, kv head) [R*kvh, W*G, K]
-            "bias": p.bias.expand(r, kvh, p.w, g, keys).reshape(r * kvh, p.w * g, keys),
             "masked": self._scratch("masked", (group, r, kvh, p.w, g, keys), torch.float32),
         }
         if half and compute == torch.float32:
             work["k32"] = self._scratch("k32", (r * kvh * d * keys,), torch.float32)
-        if by_block:  # see _score_by_block
+        if not by_block:  # the mask as baddbmm's addend: 0 where attended, -inf elsewhere, [R*kvh, W*G, K]
+            work["bias"] = p.bias.expand(r, kvh, p.w, g, keys).reshape(r * kvh, p.w * g, keys)
+        else:  # see _score_by_block
             n, heads = r * kvh * p.nb, torch.arange(kvh, device=dev)
             logits = self._scratch("logits", (n, p.w * g, bs), torch.float32)
             work["qidx"] = (  # row (r * W + w) * kvh + h of the observed queries' [R*W*kvh, G*D] view
@@ -281,7 +281,7 @@ class AttentionScorer:
             )
             work["q"] = self._scratch("q", (n * p.w, g * d), compute)
             work["logits6"] = logits.view(r, kvh, p.nb, p.w, g, bs).permute(0, 1, 3, 4, 2, 5)
-            work["bias6"] = (r, 1, p.w, 1, p.nb, bs)
+            work["bias6"] = p.bias.view(r, 1, p.w, 1, p.nb, bs)
             work["logits"] = logits
         return work
 
