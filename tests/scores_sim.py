@@ -53,8 +53,10 @@ class ScoreSim:
         rank: int = 0,
         world: int = 1,
         seed: int = 0,
+        qkv_view: bool = False,  # queries as vLLM hands them over: a view into the layer's qkv projection
     ) -> None:
         self.scorers, self.reqs, self.layout, self.device, self.dtype = scorers, reqs, layout, device, dtype
+        self.qkv_view = qkv_view
         self.heads, self.kv_heads, self.d, self.layers, self.bs = heads, kv_heads, head_size, layers, block_size
         self.g = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
@@ -97,6 +99,10 @@ class ScoreSim:
         scale = self.d**-0.5
         for layer in range(self.layers):
             q = self._rand((sum(q_lens), self.heads, self.d))[:, self.q_heads].to(self.device, self.dtype)
+            if self.qkv_view:  # q, k and v side by side in one row per token, q a strided view
+                qkv = torch.zeros(q.shape[0], q.shape[1] + 2 * self.kv_heads, self.d, dtype=q.dtype, device=q.device)
+                qkv[:, : q.shape[1]] = q
+                q = qkv[:, : q.shape[1]]
             for s in self.scorers:
                 s.observe(q, self.kv[layer], md, scale)
         for s in self.scorers:

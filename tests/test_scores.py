@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from kv_layout_sim import vnni_layout
-from scores_sim import ScoreSim, assert_same_stats, batch
+from scores_sim import Req, ScoreSim, assert_same_stats, batch
 
 from vtoken.policies import ATTN_HIST, ATTN_SUM, PolicyInput, make_policy
 from vtoken.scores import AttentionScorer, uniform_share
@@ -53,6 +53,34 @@ class LayerByLayer(AttentionScorer):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_by_block_and_layer_by_layer_paths_equal_the_reference(fast_cls, dtype):
     sim, fast, ref = run(fast_cls=fast_cls, dtype=dtype, steps=7)
+    assert_same_stats(sim, fast, ref)
+
+
+class Spy(AttentionScorer):
+    """Counts the layers whose queries were taken as they are, without a gather."""
+
+    whole_layers = 0
+
+    def observe(self, query, kv_cache, attn_metadata, scale):
+        super().observe(query, kv_cache, attn_metadata, scale)
+        if self._rows.size and self._plan.whole:
+            self.whole_layers += 1
+
+
+@pytest.mark.parametrize("layout", ["cpu", "vnni"])
+def test_a_step_of_decode_rows_takes_the_layers_queries_as_vllm_hands_them_over(layout):
+    """Every request observed: once all are decoding, every token of the forward is an observed query and the
+    scorer reads the layers' queries where they lie (strided views into the qkv projection, as in vLLM)."""
+    if layout == "vnni":
+        layout = vnni_layout(16, 32)
+    reqs = [Req(prompt=200, chunk=96, window=4), Req(prompt=1, chunk=1, window=1), Req(prompt=300, chunk=128, window=8)]
+    sim = ScoreSim([], reqs, layout=layout, qkv_view=True)
+    num_slots = sim.kv[0].shape[0] * sim.bs
+    fast, ref = Spy(num_slots, sim.bs, layout, torch.device("cpu")), ReferenceScorer(num_slots, sim.bs, layout)
+    sim.scorers = [fast, ref]
+    for i in range(8):
+        sim.step(evict=0.2 if i % 2 else 0.0)
+    assert fast.whole_layers == 5 * sim.layers  # the decode steps: after the three chunks of the longest prompt
     assert_same_stats(sim, fast, ref)
 
 

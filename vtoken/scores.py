@@ -82,6 +82,7 @@ class _StepPlan(NamedTuple):
     seq: torch.Tensor  # int64 [R]: physical seq_len of each row
     w: int
     nb: int
+    whole: bool  # tok is every token of the forward, in order (a step of decode rows): queries need no gather
 
 
 class AttentionScorer:
@@ -158,44 +159,60 @@ class AttentionScorer:
         if not self._rows.size:
             return
         if self._plan is None:
-            self._plan = self._make_plan(attn_metadata)
+            self._plan = self._make_plan(attn_metadata, query.shape[0])
         # Only the observed queries are taken now. The scoring runs in end_step, every layer back to back: between
         # two layers the model's weights would push the scorer's few small tensors out of the CPU's caches, which
-        # made each of its ops two to three times slower.
-        self._seen.append((torch.index_select(query, 0, self._plan.tok), kv_cache, scale))
+        # made each of its ops two to three times slower. When every query of the forward is observed (a step of
+        # decode rows) the layer's query itself is kept: nothing writes to it after its attention.
+        q = query if self._plan.whole else torch.index_select(query, 0, self._plan.tok)
+        self._seen.append((q, kv_cache, scale))
         self._heads = query.shape[1]
 
     def _score_layers(self) -> None:
         """Every observed layer: gather K, q @ K^T, scale and mask into the step's buffer; softmax per group."""
         if not self._seen:
             return
-        p = self._plan
         wk = self._work = self._make_work(*self._seen[0][:2])
-        kvh, keys = wk["kvh"], p.nb * self.block_size
-        for q, kv_cache, scale in self._seen:
-            if wk["by_block"]:
+        if wk["by_block"]:
+            for q, kv_cache, scale in self._seen:
                 self._score_by_block(wk, q, kv_cache, scale)
-                continue
-            g, d = q.shape[1] // kvh, q.shape[2]
-            # q [R*W, heads, D] -> [R*kvh, W*G, D] (a view for decode rows, W = 1)
-            q = q.view(len(self._rows), p.w, kvh, g, d).transpose(1, 2).reshape(-1, p.w * g, d)
-            if q.dtype != wk["compute"]:
-                q = q.to(wk["compute"])
+        else:
+            self._score_rows(wk)
+        self._flush()
+        self._layers = len(self._seen)
+
+    def _score_rows(self, wk: dict) -> None:
+        """One layer at a time: one gather of its K^T rows, one baddbmm. (Gathering several layers' K at once,
+        from vLLM's one KV storage, was slower on CPU: the bmm then read K back from memory, not the L2 cache.)"""
+        seen, kvh, keys = self._seen, wk["kvh"], self._plan.nb * self.block_size
+        per, d = len(self._rows) * kvh, seen[0][0].shape[2]  # (row, kv head) pairs; head size
+        q_all = self._stacked_queries(wk)  # [layers * R*kvh, W*G, D]
+        for i, (_, kv_cache, scale) in enumerate(seen):
             # K^T of every observed row's blocks side by side: one gather of rows (or elements) of the cache
             kt = torch.index_select(self._k_source(kv_cache, wk["rowlen"]), 0, wk["kidx"], out=wk["k"])
             kt = kt.view(-1, d, keys) if wk["stored_kt"] else kt.view(-1, keys, d).transpose(1, 2)  # [R*kvh, D, K]
             if "k32" in wk:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered K
                 kt = wk["k32"].view(kt.shape).copy_(kt)
-            # q @ K^T * scale, -inf where not attended, into this layer's place in the step's buffer
-            out = wk["masked"][self._pending]  # [R, kvh, W, G, K] = [R*kvh, W*G, K]
+            q, bias = q_all[i * per : (i + 1) * per], wk["bias"]
+            out = wk["masked"][self._pending].view(bias.shape)  # [R*kvh, W*G, K]
             if q.dtype == torch.float32:  # one op: bias + scale * (q @ K^T), fp32 throughout
-                torch.baddbmm(wk["bias"], q, kt, alpha=scale, out=out.view(wk["bias"].shape))
+                torch.baddbmm(bias, q, kt, alpha=scale, out=out)
             else:  # half-precision products with an fp32 result (CUDA)
-                logits = torch.bmm(q, kt, out_dtype=torch.float32).view(out.shape)
-                torch.add(p.bias, logits, alpha=scale, out=out)
+                torch.add(bias, torch.bmm(q, kt, out_dtype=torch.float32), alpha=scale, out=out)
             self._next_layer()
-        self._flush()
-        self._layers = len(self._seen)
+
+    def _stacked_queries(self, wk: dict) -> torch.Tensor:
+        """Every observed layer's queries, grouped by kv head: [layers * R*kvh, W*G, D] in the compute dtype."""
+        p, kvh = self._plan, wk["kvh"]
+        qs = [q for q, _, _ in self._seen]
+        heads, d = qs[0].shape[1:]
+        q = torch.stack(qs, out=self._scratch("q_all", (len(qs), *qs[0].shape), qs[0].dtype))
+        q = q.view(len(qs), len(self._rows), p.w, kvh, heads // kvh, d)
+        if p.w > 1:  # [layers, R, W, kvh, G, D] -> [layers, R, kvh, W, G, D]
+            q = q.transpose(2, 3).contiguous()
+        if q.dtype != wk["compute"]:
+            q = q.to(wk["compute"])
+        return q.view(-1, p.w * heads // kvh, d)
 
     def _next_layer(self) -> None:
         self._pending += 1
@@ -211,7 +228,7 @@ class AttentionScorer:
         kt = kt.view(-1, d, self.block_size)  # [R*kvh*NB, D, bs]
         if "k32" in wk:
             kt = wk["k32"].view(kt.shape).copy_(kt)
-        q = query.view(-1, query.shape[1] * d // wk["kvh"])  # [R*W*kvh, G*D]
+        q = query.reshape(-1, query.shape[1] * d // wk["kvh"])  # [R*W*kvh, G*D] (a copy of a whole query)
         if q.dtype == wk["compute"]:
             q = torch.index_select(q, 0, wk["qidx"], out=wk["q"])
         else:
@@ -231,7 +248,9 @@ class AttentionScorer:
         if n:
             # [layers, R, kvh, W, G, K] -> [R, W, K], one dimension at a time: torch's CPU reduction over the
             # three at once is about seven times slower
-            w = torch.softmax(self._work["masked"][:n], dim=-1).sum(0).sum(3).sum(1)
+            x = self._work["masked"][:n]
+            probs = torch.ops.aten._softmax.out(x, -1, False, out=self._scratch("probs", x.shape, x.dtype))
+            w = probs.sum(0).sum(3).sum(1)
             self._w = w if self._w is None else self._w.add_(w)
 
     # Work buffers of one step: the layers batched into one softmax hold at most this many bytes of logits.
@@ -304,6 +323,11 @@ class AttentionScorer:
         if w is None:
             return
         w = self.tp.sum_scores(w)  # [R, W, K]: this rank's heads -> all heads
+        if p.w == 1:  # decode rows only: every key before seq_len is attended, the keys past it go to the trash
+            self._acc.index_add_(0, p.slots, w.view(-1))
+            hot = (w / total > uniform_share(p.pos + 1)[:, :, None]).view(-1)
+            self._hist[p.slots] = (self._hist[p.slots] << 1) | hot
+            return
         w = w.masked_fill(~p.allowed, 0.0)  # padding queries, and keys after each query
         self._acc.index_add_(0, p.slots, w.sum(1).flatten())
         share = w / total
@@ -330,7 +354,7 @@ class AttentionScorer:
         return {n: src[n][slots].cpu().numpy() for n in names}
 
     # ------------------------------------------------------------------ fast-path pieces
-    def _make_plan(self, md) -> _StepPlan:
+    def _make_plan(self, md, num_tokens: int) -> _StepPlan:
         bs, dev = self.block_size, self.device
         rows = _to_device(self._rows, dev)
         nq = _to_device(self._nq, dev)
@@ -357,7 +381,10 @@ class AttentionScorer:
         slots = torch.where(kpos[None, :] < seq[:, None], slots, self.num_slots).flatten()
         shift = nq[:, None] - 1 - j[None, :]
         bias = bias.view(len(self._rows), 1, w, 1, nb * bs)
-        return _StepPlan(tok, blocks, allowed, bias, slots, pos, shift, seq, w, nb)
+        # every token of the forward observed, in order: the layers' queries are taken as they are
+        whole = md.seq_lens.device.type == "cpu" and tok.numel() == num_tokens
+        whole = whole and bool(torch.equal(tok, torch.arange(num_tokens, device=dev)))
+        return _StepPlan(tok, blocks, allowed, bias, slots, pos, shift, seq, w, nb, whole)
 
     def _k_rows(self, kv_cache: torch.Tensor, head_size: int, by_block: bool = False):
         """How to gather one layer's K for the observed rows: (kv heads, ``rows_of(blocks)`` -> int64 rows of
@@ -395,10 +422,12 @@ class AttentionScorer:
 
             return kvh, blocks_of, block, True, True
 
+        r0, r1, r2, roff = (v // rowlen for v in (st[0], st[1], st[2], off))  # all multiples of rowlen (above)
+
         def rows_of(blocks):  # rows [R, kvh, X, NB] (K^T: D rows per block) or [R, kvh, NB, X] (K: bs rows)
             b = blocks[:, None, None, :] if stored_kt else blocks[:, None, :, None]
             xx = x[None, None, :, None] if stored_kt else x[None, None, None, :]
-            return (b * st[0] + heads[None, :, None, None] * st[1] + xx * st[2] + off) // rowlen
+            return b * r0 + heads[None, :, None, None] * r1 + xx * r2 + roff
 
         return kvh, rows_of, rowlen, stored_kt, False
 
