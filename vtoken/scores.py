@@ -17,13 +17,14 @@ the row's keys at physical positions 0..p_q (causal, itself included); a decode 
 ``vtoken/scores_reference.py`` computes the same numbers the plain way; the tests hold one to the other.
 
 One fast path for every row of the step at once, decode rows and prefill windows alike (no Python work per
-request, query or slot). During the forward each layer only hands over its observed queries; ``end_step`` then
-scores every layer back to back (between two layers the model's weights would push the scorer's small tensors
-out of the CPU's caches, which made each of its ops two to three times slower), three tensor ops a layer:
+request, query or slot). During the forward each layer only hands over its observed queries (a step of decode
+rows observes every query of the forward: the layer's query tensor itself, no copy); ``end_step`` then scores
+every layer back to back (between two layers the model's weights would push the scorer's small tensors out of
+the CPU's caches, which made each of its ops two to three times slower), two tensor ops a layer:
 
     block table of the observed rows, padded to NB blocks      [R, NB]     NB = blocks of the longest row
-    q of the observed queries, grouped by kv head           -> [R*kvh, W*G, D]  (G = heads per kv head; a view
-                                                               for decode rows)
+    q of every layer's observed queries, by kv head         -> [layers*R*kvh, W*G, D]  (G = heads per kv head;
+                                                               one stack for all layers)
     K^T of each (row, kv head), its blocks side by side     -> [R*kvh, D, K]    K = NB * bs; one gather of
                                                                rows of the cache (the CPU layout stores K^T
                                                                per block: bs-element rows as they lie)
@@ -148,6 +149,7 @@ class AttentionScorer:
         self._work: dict | None = None  # this step's gather indices and work tensors (see _make_work)
         self._seen: list[tuple] = []  # per observed layer: (its observed queries, its KV cache, scale)
         self._pending = 0  # layers in the work buffer, not yet flushed into _w
+        self._scale = 1.0  # their softmax scale
         self._layers = self._heads = 0  # layers observed this step, query heads per layer on this rank
 
     def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float) -> None:
@@ -182,23 +184,27 @@ class AttentionScorer:
         self._layers = len(self._seen)
 
     def _score_rows(self, wk: dict) -> None:
-        """One layer at a time: one gather of its K^T rows, one baddbmm. (Gathering several layers' K at once,
-        from vLLM's one KV storage, was slower on CPU: the bmm then read K back from memory, not the L2 cache.)"""
+        """One layer at a time: one gather of its K^T rows, one bmm into its place in the step's buffer (the scale
+        and the mask go on in ``_flush``, once for a group of layers). Gathering several layers' K at once, from
+        vLLM's one KV storage, was slower on CPU: the bmm then read K back from memory, not from the L2 cache."""
         seen, kvh, keys = self._seen, wk["kvh"], self._plan.nb * self.block_size
-        per, d = len(self._rows) * kvh, seen[0][0].shape[2]  # (row, kv head) pairs; head size
-        q_all = self._stacked_queries(wk)  # [layers * R*kvh, W*G, D]
-        for i, (_, kv_cache, scale) in enumerate(seen):
-            # K^T of every observed row's blocks side by side: one gather of rows (or elements) of the cache
-            kt = torch.index_select(self._k_source(kv_cache, wk["rowlen"]), 0, wk["kidx"], out=wk["k"])
-            kt = kt.view(-1, d, keys) if wk["stored_kt"] else kt.view(-1, keys, d).transpose(1, 2)  # [R*kvh, D, K]
-            if "k32" in wk:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered K
-                kt = wk["k32"].view(kt.shape).copy_(kt)
-            q, bias = q_all[i * per : (i + 1) * per], wk["bias"]
-            out = wk["masked"][self._pending].view(bias.shape)  # [R*kvh, W*G, K]
-            if q.dtype == torch.float32:  # one op: bias + scale * (q @ K^T), fp32 throughout
-                torch.baddbmm(bias, q, kt, alpha=scale, out=out)
+        per, d, rowlen, kidx = len(self._rows) * kvh, seen[0][0].shape[2], wk["rowlen"], wk["kidx"]
+        qs = self._stacked_queries(wk).view(len(seen), per, -1, d).unbind(0)  # per layer [R*kvh, W*G, D]
+        k = wk["k"]  # the gathered rows, seen as K^T [R*kvh, D, K]
+        kt = k.view(-1, d, keys) if wk["stored_kt"] else k.view(-1, keys, d).transpose(1, 2)
+        if "k32" in wk:  # half-precision KV where no fp32-output bmm exists: an fp32 copy of the gathered K
+            kt32 = wk["k32"].view(kt.shape)
+        outs = wk["masked"].view(wk["masked"].shape[0], per, -1, keys)  # [group, R*kvh, W*G, K]
+        for q, (_, kv_cache, scale) in zip(qs, seen):
+            if self._pending and scale != self._scale:  # one scale a group of layers
+                self._flush()
+            self._scale = scale
+            torch.index_select(kv_cache.view(-1, rowlen), 0, kidx, out=k)  # rows (or elements) of the cache
+            b = kt32.copy_(kt) if "k32" in wk else kt
+            if q.dtype == torch.float32:
+                torch.bmm(q, b, out=outs[self._pending])
             else:  # half-precision products with an fp32 result (CUDA)
-                torch.add(bias, torch.bmm(q, kt, out_dtype=torch.float32), alpha=scale, out=out)
+                outs[self._pending].copy_(torch.bmm(q, b, out_dtype=torch.float32))
             self._next_layer()
 
     def _stacked_queries(self, wk: dict) -> torch.Tensor:
@@ -249,6 +255,8 @@ class AttentionScorer:
             # [layers, R, kvh, W, G, K] -> [R, W, K], one dimension at a time: torch's CPU reduction over the
             # three at once is about seven times slower
             x = self._work["masked"][:n]
+            if not self._work["by_block"]:  # q @ K^T -> scale * q @ K^T, -inf where not attended: [n, R, kvh, W, G, K]
+                torch.add(self._plan.bias, x, alpha=self._scale, out=x)
             probs = torch.ops.aten._softmax.out(x, -1, False, out=self._scratch("probs", x.shape, x.dtype))
             w = probs.sum(0).sum(3).sum(1)
             self._w = w if self._w is None else self._w.add_(w)
@@ -288,9 +296,7 @@ class AttentionScorer:
         }
         if half and compute == torch.float32:
             work["k32"] = self._scratch("k32", (r * kvh * d * keys,), torch.float32)
-        if not by_block:  # the mask as baddbmm's addend: 0 where attended, -inf elsewhere, [R*kvh, W*G, K]
-            work["bias"] = p.bias.expand(r, kvh, p.w, g, keys).reshape(r * kvh, p.w * g, keys)
-        else:  # see _score_by_block
+        if by_block:  # see _score_by_block
             n, heads = r * kvh * p.nb, torch.arange(kvh, device=dev)
             logits = self._scratch("logits", (n, p.w * g, bs), torch.float32)
             work["qidx"] = (  # row (r * W + w) * kvh + h of the observed queries' [R*W*kvh, G*D] view
