@@ -49,10 +49,12 @@ QUICK = {
     "sla": lambda o: set(o["modes"]) == {"off", "naive", "vtoken"} and o["sla"]["ttft"] > 0,
     "overhead": lambda o: (
         [r["mode"] for r in o["rows"]]
-        == ["stock", "off", "vtoken-noevict", "vtoken-streaming", "vtoken-h2o", "naive-h2o"]
+        == ["stock", "off", "vtoken-noevict", "vtoken-streaming", "vtoken-h2o", "naive-h2o", "vtoken-h2o-every4"]
         and all(r["ms_per_step"] > 0 for r in o["rows"])
     ),
-    "quality": lambda o: "full" in o["perplexity"] and o["passkey"]["naive_equals_vtoken"],
+    "quality": lambda o: (
+        {"full", "h2o@0.25", "h2o@0.25 every 2"} <= set(o["perplexity"]) and o["passkey"]["naive_equals_vtoken"]
+    ),
     "footprint": lambda o: all(r["lines"] < 30 for r in o["policies"]) and o["metadata"]["bytes_per_token"] <= 8,
 }
 

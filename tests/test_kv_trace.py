@@ -10,7 +10,7 @@ from kvsim import KVSim
 
 from vtoken.accounting import naive_retained_blocks
 from vtoken.mover import CpuMover
-from vtoken.policies import make_policy
+from vtoken.policies import ATTN_SUM, make_policy
 
 REQS = ("a", "b", "c", "d")
 PROTECTED = {"a": 0, "b": 1, "c": 0, "d": 0}  # request b shares its first block (a cached prefix)
@@ -213,3 +213,30 @@ def test_the_boundary_after_the_last_chunk_evicts_whatever_the_interval():
     rec = sim.core.states["r"].record
     assert 4 in np.concatenate(rec.died_forward).tolist()  # evicted before forward 4, the first decode step
     assert rec.over_bound <= 0
+
+
+def test_score_every_observes_one_decode_step_in_k_and_evicts_only_after_those():
+    """h2o with score_every=3 (the opt-in cheaper scoring): the worker is asked to observe decode steps 3, 6, 9
+    only, each exporting its statistics, and tokens die only at the forward that follows one of them."""
+    sim = KVSim(num_blocks=64, block_size=4)
+    sim.add("r", prompt=8, policy=make_policy("h2o", budget=6, sink=0, recent=0, score_every=3), prefill_evict=False)
+    asks, scheduled = [], sim.core.scheduled
+
+    def spy(rid, new_tokens, num_computed_after, num_output):
+        ask = scheduled(rid, new_tokens, num_computed_after, num_output)
+        asks.append((num_output + 1, ask))
+        return ask
+
+    sim.core.scheduled = spy
+    sim.step({"r": 8})  # the prompt: decode step 1 samples the first output token
+    for _ in range(10):
+        step, ask = asks[-1]
+        if ask is not None and ask.export:  # the worker's statistics after an observed forward
+            n = sim.core.states["r"].table.physical_len + 1  # the table learns of the decode token next step
+            sim.core.receive_stats("r", {ATTN_SUM: np.random.default_rng(step).random(n)})
+        sim.step({"r": 1})
+    sim.check()
+    observed = [step for step, ask in asks if ask is not None]
+    assert observed == [3, 6, 9] and all(ask.queries == 1 and ask.export for _, ask in asks if ask is not None)
+    died = sorted(set(np.concatenate(sim.core.states["r"].record.died_forward).tolist()))
+    assert died == [3, 6, 9]  # forward f+1 follows the forward that completed step f (the prompt is forward 1)

@@ -77,6 +77,7 @@ def test_streaming_keeps_sinks_and_newest():
         ({"budget": 0}, "budget"),
         ({"budget": 2.5}, "whole"),
         ({"interval": 0}, "interval"),
+        ({"score_every": 0}, "score_every"),
         ({"sink": -1}, "sink"),
         ({"bogus": 1}, "no parameter"),
     ],
@@ -84,6 +85,12 @@ def test_streaming_keeps_sinks_and_newest():
 def test_bad_parameters_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_policy("h2o", **kwargs)
+
+
+def test_score_every_is_for_attention_policies_only():
+    assert make_policy("scissorhands", score_every=4).score_every == 4
+    with pytest.raises(ValueError, match="score_every applies only to attention policies"):
+        make_policy("streaming", score_every=2)
 
 
 def test_unknown_policy():

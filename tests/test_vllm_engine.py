@@ -191,6 +191,22 @@ def test_naive_and_vtoken_make_the_same_decisions_and_outputs():
         assert np.array_equal(a, b)
 
 
+def test_score_every_evicts_only_after_observed_steps_and_stays_exact():
+    """h2o with score_every=4 (the opt-in cheaper scoring): decode steps 4, 8, ... are observed, so decode-time
+    evictions come at those steps only; outputs still equal the masked reference, naive makes the same
+    decisions, and they differ from exact h2o's."""
+    cfg = {"policy": "h2o", **EVICT, "policy_params": {"score_every": 4}}
+    vt, nv = engine({"mode": "vtoken", **cfg}), engine({"mode": "naive", **cfg})
+    steps = np.concatenate([t["evicted_at_step"] for t in vt.trace])
+    decode = set(steps[steps > 1].tolist())  # 0: between prefill chunks; 1: the boundary after the last one
+    assert decode and decode <= set(range(4, 49, 4)), sorted(decode)
+    check_exact(vt)
+    assert vt.tokens == nv.tokens
+    assert [t["evicted_positions"] for t in vt.trace] == [t["evicted_positions"] for t in nv.trace]
+    exact = engine({"mode": "vtoken", "policy": "h2o", **EVICT})
+    assert [t["evicted_positions"] for t in vt.trace] != [t["evicted_positions"] for t in exact.trace]
+
+
 def test_vtoken_retains_the_floor_and_naive_never_fewer():
     vt = mixed("vtoken").stats["finished_requests"]
     nv = mixed("naive").stats["finished_requests"]

@@ -22,7 +22,8 @@ after a preemption, the prompt and the outputs so far); after that, every forwar
   * at a chunk boundary (``prefill_evict``), among the tokens computed so far, with policy step 0;
   * at decode step s (the s-th output token has been sampled), every ``interval`` steps, as before.
 A policy that needs attention statistics evicts only with statistics from the forward just run: a decode
-query, or the observation window (the last ``window`` queries) of the chunk just computed.
+query, or the observation window (the last ``window`` queries) of the chunk just computed. A policy with
+``score_every`` = k > 1 has only every k-th decode step observed, so it evicts only after those.
 """
 
 from __future__ import annotations
@@ -285,7 +286,10 @@ class Compactor:
         if not policy.needs:
             return None
         if not prefill:  # decode: accumulate every step, send back when the next step may evict
-            return ScoreAsk(1, policy.needs if (num_output + 1) % policy.interval == 0 else ())
+            step = num_output + 1  # the decode step this forward completes
+            if step % policy.score_every:  # opt-in: one step in score_every observed; no statistics, no eviction
+                return None
+            return ScoreAsk(1, policy.needs if step % policy.interval == 0 else ())
         if not st.prefill_evict:
             return None
         # Score the chunk's observation window only if the boundary after it may evict.

@@ -44,6 +44,10 @@ class EvictionPolicy(ABC):
     sink: int = 4
     recent: int = 16
     seed: int = 0
+    # Attention-driven policies only, opt-in: observe one decode step in ``score_every`` (the engine then
+    # exports statistics, and the policy evicts, only after an observed step). 1 = every step, exact H2O /
+    # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in the README's Overhead section.
+    score_every: int = 1
     needs: ClassVar[tuple[str, ...]] = ()  # statistics the engine must collect for this policy
     name: ClassVar[str] = ""
 
@@ -54,9 +58,11 @@ class EvictionPolicy(ABC):
             )
         if self.budget >= 1 and float(self.budget) != int(self.budget):
             raise ValueError(f"{self.name}: a budget >= 1 is a token count and must be whole, got {self.budget}")
-        for attr in ("interval",):
+        for attr in ("interval", "score_every"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"{self.name}: {attr} must be >= 1, got {getattr(self, attr)}")
+        if self.score_every != 1 and not self.needs:
+            raise ValueError(f"{self.name}: score_every applies only to attention policies (h2o, scissorhands)")
         for attr in ("sink", "recent"):
             if getattr(self, attr) < 0:
                 raise ValueError(f"{self.name}: {attr} must be >= 0, got {getattr(self, attr)}")
