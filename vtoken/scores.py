@@ -28,9 +28,10 @@ the CPU's caches, which made each of its ops two to three times slower), two ten
     K^T of each (row, kv head), its blocks side by side     -> [R*kvh, D, K]    K = NB * bs; one gather of
                                                                rows of the cache (the CPU layout stores K^T
                                                                per block: bs-element rows as they lie)
-    scale * q @ K^T, -inf past each query: one baddbmm      -> the step's buffer [layers, R, kvh, W, G, K]
-    once per group of layers (all of a decode step's): softmax over keys (the denominator once per row, head
-    and query) summed over layers and heads; over TP ranks once per step, then folded query by query
+    q @ K^T: one bmm                                        -> the step's buffer [layers, R, kvh, W, G, K]
+    once per group of layers (all of a decode step's): scale, -inf past each query, softmax over keys (the
+    denominator once per row, head and query) summed over layers and heads; over TP ranks once per step, then
+    folded query by query
 
 A layer with more than ``_ROWS_BYTES`` of K reads whole K^T blocks in order instead (``_score_by_block``: a
 row of every block in turn outruns the CPU's prefetching there), one bmm per block.
