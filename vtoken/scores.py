@@ -200,7 +200,7 @@ class AttentionScorer:
             if self._pending and scale != self._scale:  # one scale a group of layers
                 self._flush()
             self._scale = scale
-            torch.index_select(kv_cache.view(-1, rowlen), 0, kidx, out=k)  # rows (or elements) of the cache
+            torch.index_select(self._k_source(kv_cache, rowlen), 0, kidx, out=k)  # rows (or elements) of the cache
             b = kt32.copy_(kt) if "k32" in wk else kt
             if q.dtype == torch.float32:
                 torch.bmm(q, b, out=outs[self._pending])

@@ -190,20 +190,24 @@ def _passkey(model_dir: str, configs, n_keys: int, haystack: int, chunk: int, wi
         # Both engines serve every request in the same batches: outputs depend on the batch a request shares
         # a forward with (float rounding in batched kernels), so only the same batches can show identical answers.
         # (Under KV pressure vtoken admits requests earlier than naive, which changes the batches.)
-        chosen = evicting
-        reqs = [(label, i) for label in chosen for i in range(n_keys)]
+        reqs = [(label, i) for label in evicting for i in range(n_keys)]
         cfg = {"policy": "h2o", "collect_scores": True, "prefill_chunk": chunk, "prefill_window": window}
         with Engine(model_dir, mode, cfg, **kw) as e:
             b = e.batch(
                 [prompts[i] for _, i in reqs],
                 8,
-                [_request_options(*chosen[label]) for label, _ in reqs],
+                [_request_options(*evicting[label]) for label, _ in reqs],
             )
         for (label, i), s in zip(reqs, b.served):
             out.setdefault(f"{mode}:{label}", [None] * n_keys)[i] = tok.decode(s.output_tokens)
     hits = {k: sum(key in text for key, text in zip(keys, v)) / n_keys for k, v in out.items()}
     same = all(out[f"naive:{k}"] == out[f"vtoken:{k}"] for k in evicting if f"naive:{k}" in out)
     return {"keys": keys, "answers": out, "accuracy": hits, "naive_equals_vtoken": same}
+
+
+def _label(policy: str, budget: float, every: int, prefill: bool) -> str:
+    """A configuration's key in the results: "h2o@0.25", "h2o@0.25 every 4 decode-only", ..."""
+    return f"{policy}@{budget:g}" + (f" every {every}" if every > 1 else "") + ("" if prefill else " decode-only")
 
 
 def _request_options(policy: str, budget: float, prefill: bool, every: int) -> dict:
@@ -237,9 +241,8 @@ def run(args) -> dict:
     for p in policies:
         for b in budgets:
             for k in [1] + (every if p in ATTENTION_POLICIES else []):
-                tag = f" every {k}" if k > 1 else ""
-                configs[f"{p}@{b:g}{tag}"] = (p, b, True, k)
-                configs[f"{p}@{b:g}{tag} decode-only"] = (p, b, False, k)
+                for prefill in (True, False):
+                    configs[_label(p, b, k, prefill)] = (p, b, prefill, k)
     ppl = _perplexities(model_dir, configs, ctx, t_eval, passages, chunk, window)
     pk = _passkey(model_dir, configs, n_keys, hay, chunk, window)
     log(f"[passkey] accuracy: {pk['accuracy']}")
@@ -260,8 +263,7 @@ def run(args) -> dict:
 
 
 def _row(result: dict, p: str, b: float, k: int, base: float) -> list:
-    tag = f" every {k}" if k > 1 else ""
-    on, off = f"{p}@{b:g}{tag}", f"{p}@{b:g}{tag} decode-only"
+    on, off = _label(p, b, k, True), _label(p, b, k, False)
     ppl, acc = result["perplexity"], result["passkey"]["accuracy"]
     return [
         p if k == 1 else f"{p}, score_every {k}",

@@ -46,7 +46,7 @@ class EvictionPolicy(ABC):
     seed: int = 0
     # Attention-driven policies only, opt-in: observe one decode step in ``score_every`` (the engine then
     # exports statistics, and the policy evicts, only after an observed step). 1 = every step, exact H2O /
-    # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in the README's Overhead section.
+    # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in the README's Output quality section.
     score_every: int = 1
     needs: ClassVar[tuple[str, ...]] = ()  # statistics the engine must collect for this policy
     name: ClassVar[str] = ""
