@@ -33,9 +33,10 @@ class EngineDead(RuntimeError):
 
 @dataclass(frozen=True)
 class GenerateSpec:
-    """One request as it crosses from the gateway to a replica: token ids in, sampling as a plain dict
-    of ``vllm.SamplingParams`` fields (temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos, logprobs,
-    and ``extra_args`` = ``request_args(...)`` when the request chose its own eviction options).
+    """One request as it crosses from the gateway to a replica: token ids in, sampling as a plain dict of the
+    ``vllm.SamplingParams`` fields that differ from their neutral values (cluster/requests.py sampling_kwargs;
+    ``SamplingParams.from_optional(**sampling)`` rebuilds them), with ``extra_args`` = ``request_args(...)`` when
+    the request chose its own eviction options.
     ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse)."""
 
     request_id: str
@@ -271,7 +272,7 @@ class VLLMEngine(Engine):
 
         started = False
         try:
-            params = SamplingParams(**spec.sampling, output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams.from_optional(**spec.sampling, output_kind=RequestOutputKind.DELTA)
             prompt = TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids))
             # AsyncLLM.generate aborts the request itself when this generator is closed or cancelled.
             async for out in self.llm.generate(prompt, params, spec.request_id):

@@ -106,7 +106,7 @@ class Dispatcher:
         evicting = v is not None and v.enabled
         need = estimate_blocks(
             len(req.prompt_token_ids),
-            req.sampling.max_tokens,
+            req.max_tokens,
             self.cfg.engine.block_size,
             *((v.budget, v.sink, v.recent) if evicting else ()),
         )

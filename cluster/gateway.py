@@ -27,8 +27,9 @@ from cluster.auth import auth_token, bearer_ok
 from cluster.capacity import CapacityFeed
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, failure, internal_message  # noqa: F401 (re-exported)
+from cluster.grpc_requests import parse, validate
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import BadRequest, Tokenizer, parse, validate
+from cluster.requests import BadRequest, Tokenizer
 from cluster.status import to_proto
 
 log = logging.getLogger("vtoken.gateway")
@@ -151,9 +152,15 @@ class Gateway:
                     finished=c.finished,
                     finish_reason=c.finish_reason,
                     prompt_tokens=len(req.prompt_token_ids),
+                    logprobs=[_logprob(lp) for lp in c.logprobs],
                 )
         except Refused as e:
             await context.abort(Code[e.code.upper()], e.message)
+
+
+def _logprob(lp) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, token=tok, logprob=v) for t, tok, v in lp.top]
+    return pb.TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top)
 
 
 class PortInUse(ValueError):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front door (FastAPI on uvicorn, in the `vtoken serve` process and event loop,
 next to gRPC): ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (whole or as
-server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus).
+server-sent events), ``POST /tokenize`` and ``POST /detokenize`` (as vLLM serves them: benchmark clients align
+their prompts' lengths with them), ``GET /health``, ``GET /metrics`` (Prometheus).
 
 It keeps the gRPC door's promises: requests go down the same path (cluster/dispatch.py: the same admission
 limit, placement, retries, aborts and metrics), the server picks each request's id, bad input is 400 with
@@ -34,7 +35,7 @@ from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, internal_message
 from cluster.gateway import bind_socket
 from cluster.metrics import CONTENT_TYPE
-from cluster.openai_requests import ModelNotFound, chat_request, completion_request, load_json
+from cluster.openai_requests import ModelNotFound, chat_request, completion_request, load_json, tokenize_response
 from cluster.openai_responses import DONE, HTTP_STATUS, Answer, error_body
 from cluster.requests import BadRequest, Tokenizer
 
@@ -107,6 +108,8 @@ class HttpGateway:
         app.get("/v1/models")(self.models)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         return app
 
     async def health(self) -> Response:
@@ -137,6 +140,24 @@ class HttpGateway:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion", completion_request)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, "tokenize")
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, "detokenize")
+
+    async def _tokens(self, request: Request, kind: str) -> Response:
+        """vLLM's /tokenize (a prompt or chat messages -> token ids) and /detokenize (token ids -> text)."""
+        try:
+            raw = await read_body(request, self.g.max_request_bytes)
+            return JSONResponse(tokenize_response(kind, load_json(raw), self.cfg, self.tok))
+        except BodyTooLarge as e:
+            return error(413, str(e))
+        except BadRequest as e:
+            return error(400, str(e), e.param)
+        except ModelNotFound as e:
+            return error(404, str(e), "model")
 
     async def _generate(self, request: Request, kind: str, parse) -> Response:
         try:

@@ -1,22 +1,52 @@
-"""Validation of a request at the gateway, whichever door it came in by: every refusal is a ``BadRequest``
-(gRPC INVALID_ARGUMENT, HTTP 400) with a message that says which field is wrong and why, and ``param`` naming
-it. The gRPC door parses its proto here (``parse``, ``validate``); the HTTP door (cluster/openai_requests.py)
-builds the same ``Sampling`` and uses the same checks for the prompt's length and for a request's own eviction
-options (``vtoken_options``). Nothing here touches Ray or the engine."""
+"""The one request model both front doors share. A door turns its wire format into OpenAI's JSON shape (HTTP
+takes the body as sent: cluster/openai_requests.py; gRPC maps its protobuf onto the same field names:
+cluster/grpc_requests.py); from there everything is done once, here, the way vLLM's own server does it:
+
+    body --vLLM's protocol model--> CompletionRequest | ChatCompletionRequest   (vLLM validates every field)
+         --refuse_unserved-->       only what cannot work through the doors is refused, by name
+         --to_sampling_params-->    vLLM's own mapping to SamplingParams         (vLLM validates the values)
+         --prompt_ids / messages--> token ids, the context length checked
+
+Every sampling field vLLM honours is honoured (repetition_penalty, min_p, min_tokens, stop_token_ids, logit_bias,
+bad_words, include_stop_str_in_output, skip_special_tokens, ...): they cross to the replica as the non-default
+fields of ``vllm.SamplingParams`` (``sampling_kwargs``) and the replica rebuilds the same object. Every refusal is
+a ``BadRequest`` (gRPC INVALID_ARGUMENT, HTTP 400) with one line naming the field (``param``). Nothing here
+touches Ray or the engine.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-import uuid
-from typing import Any, Literal, NamedTuple
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
 
-from google.protobuf.json_format import MessageToDict
-from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+from vllm.exceptions import VLLMClientError
 
-from cluster.proto import vtoken_pb2 as pb
 from vtoken.vllm_adapter.config import REQUEST_KEYS, VTokenConfig, request_args
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+EXTENSION = "vtoken"  # the request's own eviction options: HTTP extra_body={"vtoken": {...}}, gRPC VTokenOptions
+# Refused by name: each would change the answer or its shape in ways the doors do not carry. Anything else a
+# client sends is either honoured (sampling) or, like vLLM's own server does for informational fields, ignored.
+UNSERVED = {
+    "use_beam_search": "beam search is not served by vtoken serve",
+    "tools": "tools are not supported",
+    "functions": "tools are not supported",
+    "response_format": "structured outputs are not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "prompt_logprobs": "prompt log-probabilities are not returned by vtoken serve",
+    "logprob_token_ids": "log-probabilities of chosen token ids are not returned by vtoken serve",
+    "echo": "echo is not supported",
+    "suffix": "suffix is not supported",
+    "chat_template": "custom chat templates are not accepted; the model's own template renders messages",
+    "documents": "documents for the chat template are not supported",
+}
+GUIDE = "README: Use it from the OpenAI client"
 
 
 class BadRequest(ValueError):
@@ -27,45 +57,239 @@ class BadRequest(ValueError):
         self.param = param
 
 
-class Sampling(BaseModel):
-    """Sampling values accepted from clients (the fields of vllm.SamplingParams they map to)."""
+class Limits(NamedTuple):
+    max_model_len: int
+    max_prompt_chars: int
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
-    top_k: int = Field(0, ge=-1, description="0 or -1: off")
-    max_tokens: int = Field(16, ge=1, description="tokens to generate; at most max_model_len - prompt")
-    seed: int | None = Field(None, ge=0, description="per-request seed")
-    stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings")
-    ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's presence penalty")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's frequency penalty")
-    logprobs: int | None = Field(
-        None, ge=0, le=20, description="return each sampled token's log-probability and this many alternatives"
+
+class Parsed(NamedTuple):
+    """A request checked as far as both doors go alike."""
+
+    request: Any  # vLLM's CompletionRequest or ChatCompletionRequest
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # non-default fields of vllm.SamplingParams (see sampling_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def protocol_model(cls, body: dict[str, Any]):
+    """``cls.model_validate(body)`` for one of vLLM's own protocol models (``"chat"`` and ``"completion"`` name
+    ChatCompletionRequest and CompletionRequest); its validation errors become BadRequest naming the field."""
+    if cls in ("chat", "completion"):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        cls = ChatCompletionRequest if cls == "chat" else CompletionRequest
+    try:
+        with warnings.catch_warnings():  # max_tokens is deprecated in vLLM's chat model, not in OpenAI's API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or _is_field(p))
+        msg = err["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"{loc}: {msg}" if loc else msg, loc or None) from None
+    except (VLLMClientError, ValueError) as e:  # vLLM's own checks in its validators (VLLMValidationError)
+        raise _bad(e) from None
+
+
+def _bad(e: Exception) -> BadRequest:
+    param = getattr(e, "parameter", None)
+    msg = str(e.args[0] if e.args else e).splitlines()[0]
+    return BadRequest(f"{param}: {msg}" if param and not msg.startswith(param) else msg, param)
+
+
+def _is_field(part: Any) -> bool:
+    """A loc part that names a field, not a union branch pydantic tried (``str``, ``ChatCompletion...``)."""
+    return isinstance(part, str) and part.isidentifier() and part.islower() and part not in {"str", "int", "list"}
+
+
+def refuse_unserved(req) -> None:
+    """Refuse, by name, what cannot work through the doors; a neutral value of any field is never an error."""
+    for name, why in UNSERVED.items():
+        if getattr(req, name, None) not in (None, False, [], {}, ""):
+            raise BadRequest(f"{name}: {why} ({GUIDE})", name)
+    if getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+        raise BadRequest(f"tool_choice: tools are not supported ({GUIDE})", "tool_choice")
+    if (req.n or 1) != 1:
+        raise BadRequest(f"n: only n=1 is supported, got {req.n}", "n")
+    if EXTENSION in (req.vllm_xargs or {}):
+        raise BadRequest("vllm_xargs.vtoken: set eviction options in the request's own `vtoken` field", "vllm_xargs")
+    opts = req.stream_options
+    if opts is not None and opts.continuous_usage_stats:
+        raise BadRequest("stream_options.continuous_usage_stats: not supported", "stream_options")
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+@functools.cache
+def _neutral():
+    from vllm import SamplingParams
+
+    return SamplingParams.from_optional()
+
+
+@functools.cache
+def _sampling_fields() -> tuple[str, ...]:
+    """The arguments of ``SamplingParams.from_optional`` a request can set (how the replica rebuilds them)."""
+    import inspect
+
+    from vllm import SamplingParams
+
+    skip = {"output_kind", "skip_clone"}  # the replica streams deltas; a fresh object needs no clone
+    return tuple(k for k in inspect.signature(SamplingParams.from_optional).parameters if k not in skip)
+
+
+def sampling_kwargs(params) -> dict[str, Any]:
+    """The fields of a ``vllm.SamplingParams`` that differ from its neutral values: a small picklable dict from
+    which ``SamplingParams.from_optional(**kwargs)`` rebuilds an equal object (tests/test_requests.py)."""
+    neutral, empty = _neutral(), (None, [], {})  # an empty list or mapping means what None means
+    out = {}
+    for k in _sampling_fields():
+        v, n = getattr(params, k), getattr(neutral, k)
+        if v != n and not (v in empty and n in empty):
+            out[k] = v
+    return out
+
+
+def sampling(req, max_tokens: int, defaults: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's mapping of a protocol request to SamplingParams (``to_sampling_params``, with the model's
+    generation defaults, as ``vllm serve`` applies them), as ``sampling_kwargs``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            params = req.to_sampling_params(max_tokens, dict(defaults))
+    except (VLLMClientError, ValueError, TypeError, OverflowError) as e:
+        raise _bad(e) from None
+    return sampling_kwargs(params)
+
+
+def generation_defaults(folder: str | None) -> dict[str, Any]:
+    """The model's own sampling defaults from its ``generation_config.json``, as vLLM's server reads them
+    (vllm/config/model.py ModelConfig.get_diff_sampling_param, ``--generation-config auto``)."""
+    path = Path(folder or "") / "generation_config.json"
+    if folder is None or not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    keys = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p")
+    out = {k: raw[k] for k in keys if raw.get(k) is not None}
+    if raw.get("max_new_tokens") is not None:
+        out["max_tokens"] = raw["max_new_tokens"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def messages(raw: Any, max_chars: int) -> list[dict[str, str]]:
+    """Text messages for the chat template, for both doors; the roles and content parts we do not serve are
+    refused. ``developer`` is OpenAI's newer name for ``system``."""
+    if not isinstance(raw, list):
+        raise BadRequest("messages: expected a list of messages", "messages")
+    if not raw:
+        raise BadRequest("messages: must not be empty", "messages")
+    out, chars = [], 0
+    for i, m in enumerate(raw):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where}: expected an object with role and content", where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRequest(
+                f"{where}.role: {role!r} is not served; roles: {', '.join(ROLES)} (no tools)", f"{where}.role"
+            )
+        if m.get("tool_calls"):
+            raise BadRequest(f"{where}.tool_calls: tools are not supported", f"{where}.tool_calls")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only (no images, audio, files)
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):  # fmt: skip
+                raise BadRequest(f"{where}.content: only text parts are supported", f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"{where}.content: expected a string or text parts", f"{where}.content")
+        if not content.strip():
+            raise BadRequest(f"{where}.content: must not be empty", f"{where}.content")
+        chars += len(content)
+        out.append({"role": ROLES[role], "content": content})
+    if chars > max_chars:
+        raise BadRequest(f"messages: {chars} characters; the limit is {max_chars}", "messages")
+    return out
+
+
+def prompt_ids(prompt: Any, tokenizer: Tokenizer, max_chars: int, add_special_tokens: bool = True) -> list[int]:
+    """One completion prompt: a string, or token ids as vLLM accepts them; a batch of one is unwrapped."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list):
+        raise BadRequest("prompt: one prompt per request (a string or token ids), not a batch", "prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadRequest("prompt: must not be empty", "prompt")
+    if len(prompt) > max_chars:
+        raise BadRequest(f"prompt: {len(prompt)} characters; the limit is {max_chars}", "prompt")
+    return tokenizer.encode(prompt, add_special_tokens)
+
+
+def _truncate(ids: list[int], req, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens`` (-1: the model's context) and ``truncation_side`` (left by default)."""
+    k = req.truncate_prompt_tokens
+    if k is None or len(ids) <= (k if k >= 0 else max_model_len):
+        return ids
+    k = max_model_len if k < 0 else k
+    return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k :]
+
+
+def check_length(n_prompt: int, max_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:
+    if n_prompt + max_tokens > max_model_len:
+        raise BadRequest(
+            f"prompt ({n_prompt} tokens) + {field} ({max_tokens}) exceeds the model's context of {max_model_len} "
+            "tokens",
+            field,
+        )
+
+
+def completion(body: dict[str, Any], tokenizer: Tokenizer, limits: Limits) -> Parsed:
+    """A completion request in OpenAI's JSON shape, checked as far as both doors go alike."""
+    req = protocol_model("completion", body)
+    refuse_unserved(req)
+    ids = _truncate(prompt_ids(req.prompt, tokenizer, limits.max_prompt_chars, req.add_special_tokens), req,
+                    limits.max_model_len)  # fmt: skip
+    return _parsed(req, ids, req.max_tokens, "max_tokens", limits, tokenizer.defaults)
+
+
+def chat(body: dict[str, Any], tokenizer: Tokenizer, limits: Limits) -> Parsed:
+    """A chat request in OpenAI's JSON shape; its messages are rendered with the model's chat template."""
+    msgs = messages(body.get("messages"), limits.max_prompt_chars)
+    req = protocol_model("chat", {**body, "messages": msgs})
+    refuse_unserved(req)
+    ids = _truncate(chat_ids(req, msgs, tokenizer), req, limits.max_model_len)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        given = req.max_completion_tokens
+        field, value = ("max_completion_tokens", given) if given is not None else ("max_tokens", req.max_tokens)
+    return _parsed(req, ids, value, field, limits, tokenizer.defaults)
+
+
+def chat_ids(req, msgs: list[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
+    """Messages rendered with the model's chat template as the request asks (a chat or a /tokenize request)."""
+    return tokenizer.encode_chat(
+        msgs, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens, req.chat_template_kwargs
     )
 
-    def to_vllm(self, extra_args: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.SamplingParams`` (what ``GenerateSpec.sampling`` carries)."""
-        out = self.model_dump(exclude_none=True)
-        if not out["stop"]:
-            out.pop("stop")
-        if extra_args:
-            out["extra_args"] = extra_args
-        return out
 
-
-def sampling(fields: dict[str, Any], prefix: str = "") -> Sampling:
-    """``Sampling(**fields)`` or a BadRequest naming every bad field (``prefix`` + its name)."""
+def _parsed(req, ids, max_tokens, field, limits: Limits, defaults: dict[str, Any]) -> Parsed:
+    if max_tokens is None:  # OpenAI's (and vLLM's) default: whatever the context leaves, within the model's own
+        max_tokens = max(limits.max_model_len - len(ids), 1)
+        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     try:
-        return Sampling(**fields)
-    except ValidationError as e:
-        errs = e.errors()
-        raise BadRequest(
-            "; ".join(f"{prefix}{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in errs),
-            prefix + ".".join(map(str, errs[0]["loc"])),
-        ) from None
+        s = sampling(req, max_tokens, defaults)
+    except BadRequest as e:  # vLLM names max_tokens whichever field the client used
+        if e.param != "max_tokens" or field == "max_tokens":
+            raise
+        raise BadRequest(str(e).replace("max_tokens", field), field) from None
+    check_length(len(ids), max_tokens, limits.max_model_len, field)
+    return Parsed(req, ids, s)
 
 
+# ---------------------------------------------------------------------------------------------- eviction
 class Eviction(NamedTuple):
     """A request's own eviction options as checked: ``extra_args`` for ``SamplingParams`` (None when it chose
     none) and ``config``, the served VTokenConfig with them applied (its budget bounds the request's blocks)."""
@@ -114,126 +338,72 @@ def vtoken_options(options: Any, served: dict[str, Any]) -> Eviction:
     return Eviction(extra, effective)
 
 
-def check_length(n_prompt: int, max_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:
-    if n_prompt + max_tokens > max_model_len:
-        raise BadRequest(
-            f"prompt ({n_prompt} tokens) + {field} ({max_tokens}) exceeds the model's context of {max_model_len} "
-            "tokens",
-            field,
-        )
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(..., min_length=1)
-
-
 class ValidRequest(BaseModel):
     """A request either door has validated: what the dispatcher places and the engine runs."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
     request_id: str  # the client's (gRPC request_id; empty over HTTP); engines know the gateway's own id
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: dict[str, Any]  # non-default vllm.SamplingParams fields (sampling_kwargs), max_tokens among them
     deadline_s: float | None = None
     eviction: Eviction | None = None  # the request's own eviction options, checked (vtoken_options)
 
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sampling.get("max_tokens") or _neutral().max_tokens)
+
     def spec_sampling(self) -> dict[str, Any]:
-        return self.sampling.to_vllm(self.eviction.extra_args if self.eviction else None)
+        """What crosses to the replica: the sampling, with the request's eviction options in ``extra_args``."""
+        if not (self.eviction and self.eviction.extra_args):
+            return dict(self.sampling)
+        return {**self.sampling, "extra_args": {**(self.sampling.get("extra_args") or {}), **self.eviction.extra_args}}
 
 
-def parse(raw: bytes) -> pb.GenerateRequest:
-    """Bytes off the wire to a message; malformed bytes and unknown fields are refused, not dropped."""
-    msg = pb.GenerateRequest()
-    try:
-        msg.ParseFromString(raw)
-    except DecodeError as e:
-        raise BadRequest(f"malformed GenerateRequest: {e}") from None
-    for m in (msg, msg.sampling, msg.vtoken, *msg.messages.messages):
-        unknown = UnknownFieldSet(m)
-        if len(unknown):
-            nums = ", ".join(str(f.field_number) for f in unknown)
-            raise BadRequest(f"unknown field number(s) {nums} in {type(m).__name__}")
-    return msg
-
-
-def options_from_proto(o: pb.VTokenOptions) -> dict[str, Any]:
-    """The fields a client set in ``VTokenOptions`` as ``request_args`` keywords (unset fields are absent)."""
-    out: dict[str, Any] = {
-        f: getattr(o, f)
-        for f in ("policy", "budget", "interval", "sink", "recent", "seed", "prefill_evict", "prefill_window")
-        if o.HasField(f)
-    }
-    if o.HasField("policy_params"):
-        # A Struct carries every number as a double; policy parameters are mostly counts (history=32).
-        params = MessageToDict(o.policy_params)
-        out["policy_params"] = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in params.items()}
-    return out
-
-
-def validate(
-    msg: pb.GenerateRequest,
-    tokenizer,
-    max_model_len: int,
-    max_prompt_chars: int,
-    served_vtoken: dict[str, Any] | None = None,
-) -> ValidRequest:
-    rid = msg.request_id or uuid.uuid4().hex
-    if len(rid) > 128 or not rid.isprintable():
-        raise BadRequest("request_id must be printable and at most 128 characters", "request_id")
-    s = msg.sampling
-    fields = {f: getattr(s, f) for f in ("temperature", "top_p", "top_k", "max_tokens", "seed") if s.HasField(f)}
-    sampling_ = sampling({**fields, "stop": list(s.stop), "ignore_eos": s.ignore_eos}, "sampling.")
-    eviction = vtoken_options(options_from_proto(msg.vtoken), served_vtoken or {"mode": "vtoken"})
-    which = msg.WhichOneof("input")
-    if which == "prompt":
-        if not msg.prompt.strip():
-            raise BadRequest("prompt is empty")
-        if len(msg.prompt) > max_prompt_chars:
-            raise BadRequest(f"prompt has {len(msg.prompt)} characters; the limit is {max_prompt_chars}")
-        ids = tokenizer.encode(msg.prompt)
-    elif which == "messages":
-        try:
-            chat = [ChatMessage(role=m.role, content=m.content) for m in msg.messages.messages]
-        except ValidationError as e:
-            raise BadRequest("invalid chat message: " + "; ".join(err["msg"] for err in e.errors())) from None
-        if not chat:
-            raise BadRequest("messages is empty")
-        if sum(len(m.content) for m in chat) > max_prompt_chars:
-            raise BadRequest(f"messages exceed {max_prompt_chars} characters")
-        ids = tokenizer.encode_chat([m.model_dump() for m in chat])
-    else:
-        raise BadRequest("set either prompt or messages")
-    check_length(len(ids), sampling_.max_tokens, max_model_len, "sampling.max_tokens")
-    deadline = msg.deadline_ms / 1000 if msg.deadline_ms > 0 else None
-    if msg.deadline_ms < 0:
-        raise BadRequest("deadline_ms must be >= 0", "deadline_ms")
-    return ValidRequest(
-        request_id=rid, prompt_token_ids=ids, sampling=sampling_, deadline_s=deadline, eviction=eviction
-    )
-
-
+# ---------------------------------------------------------------------------------------------- tokenizer
 class Tokenizer:
-    """The model's tokenizer for counting and rendering prompts at the gateway (the engine gets token ids)."""
+    """The model's tokenizer at the gateway, for prompts, chat templates and /tokenize (the engine gets ids)."""
 
     def __init__(self, folder: str | None):
         self.tok = None
+        self.defaults = generation_defaults(folder)  # the model's sampling defaults, as `vllm serve` applies
         if folder is not None:
             from transformers import AutoTokenizer
 
             self.tok = AutoTokenizer.from_pretrained(folder)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tok is None:  # fake engine: one token per byte
             return list(text.encode())
-        return list(self.tok.encode(text))
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def token_strs(self, ids: list[int]) -> list[str]:
+        if self.tok is None:
+            return [chr(i) for i in ids]
+        return list(self.tok.convert_ids_to_tokens(ids))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return bytes(i % 256 for i in ids).decode(errors="replace")
+        return self.tok.decode(ids)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         if self.tok is None:
             return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages))
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tok.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
         except Exception as e:  # templates raise on role orders they do not support
-            raise BadRequest(f"messages do not fit the model's chat template: {e}") from None
-        return list(self.tok.encode(text, add_special_tokens=False))
+            raise BadRequest(f"messages do not fit the model's chat template: {str(e).splitlines()[0]}") from None
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))

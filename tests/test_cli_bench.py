@@ -27,6 +27,23 @@ def test_demo_rejects_bad_arguments_clearly():
     assert r.returncode == 2 and "--modes" in r.stderr
 
 
+def test_vllm_args_prints_the_flags_engine_kwargs_adds_and_refuses_a_bad_config():
+    import shlex
+
+    from vtoken.vllm_adapter.engine import engine_kwargs
+
+    r = vt("vllm-args", '{"policy": "streaming", "budget": 0.25, "prefill_chunk": 128}')
+    assert r.returncode == 0, r.stderr
+    flags = shlex.split(r.stdout)
+    kw = engine_kwargs({"policy": "streaming", "budget": 0.25, "prefill_chunk": 128})
+    assert flags[flags.index("--scheduler-cls") + 1] == kw["scheduler_cls"]
+    assert flags[flags.index("--worker-cls") + 1] == kw["worker_cls"]
+    assert json.loads(flags[flags.index("--additional-config") + 1]) == kw["additional_config"]
+    assert "--no-async-scheduling" in flags and flags[flags.index("--long-prefill-token-threshold") + 1] == "128"
+    r = vt("vllm-args", '{"budget": -1}')
+    assert r.returncode == 2 and "budget must be a finite number" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bench_core_quick(tmp_path):
     r = vt("bench", "core", "--quick", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr

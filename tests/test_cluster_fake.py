@@ -34,7 +34,7 @@ def test_streams_and_reports(served):
 @pytest.mark.parametrize(
     "sampling, prompt, code, needle",
     [
-        ({}, "", Code.INVALID_ARGUMENT, "prompt is empty"),
+        ({}, "", Code.INVALID_ARGUMENT, "prompt: Either prompt or prompt_embeds must be provided"),
         ({"temperature": -0.5}, "hi", Code.INVALID_ARGUMENT, "temperature"),
         ({"top_k": -7}, "hi", Code.INVALID_ARGUMENT, "top_k"),
         ({"max_tokens": 2_000_000_000}, "hi", Code.INVALID_ARGUMENT, "exceeds the model's context"),

@@ -53,7 +53,7 @@ def served():
             "http_port": "any",
             "auth_token_env": "VTOKEN_HTTP_TEST_TOKEN",
             "max_inflight": 6,
-            "max_request_bytes": 4096,
+            "max_request_bytes": 200_000,
         },
     )
     try:
@@ -127,6 +127,30 @@ def test_openai_client_chat_and_completions_whole_and_streamed(served):
     assert any(x.get("stop") == ["never"] and x.get("top_p") == 0.9 and x.get("logprobs") == 2 for x in seen)
 
 
+def test_vllms_sampling_fields_reach_the_engine_through_both_doors(served):
+    """What vLLM's own benchmark client sends (repetition_penalty 1.0, the neutral value) is served, and the
+    other sampling fields vLLM honours arrive at the replica as the client set them, by HTTP and by gRPC."""
+    r = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.0, "stream": True,
+                                         "stream_options": {"include_usage": True}})  # fmt: skip
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    body = {"max_tokens": 2, "min_p": 0.25, "repetition_penalty": 1.5, "min_tokens": 1, "stop_token_ids": [3]}
+    served.client.chat.completions.create(model="fake", messages=MSG, seed=123, extra_body=body)
+    sampling = pb.SamplingParams(max_tokens=2, seed=456, min_p=0.25, repetition_penalty=1.5, min_tokens=1,
+                                 stop_token_ids=[3], logprobs=1)  # fmt: skip
+    out = list(
+        stub(served.port).Generate(pb.GenerateRequest(prompt="hi", sampling=sampling), metadata=AUTH, timeout=30)
+    )
+    assert [len(m.logprobs) for m in out] == [len(m.token_ids) for m in out] and out[0].logprobs[0].top
+    seen = {x.get("seed"): x for x in engine_requests(served)}
+    for seed in (123, 456):
+        got = {k: seen[seed].get(k) for k in ("min_p", "repetition_penalty", "min_tokens", "stop_token_ids")}
+        assert got == {"min_p": 0.25, "repetition_penalty": 1.5, "min_tokens": 1, "stop_token_ids": [3]}, seed
+    tok = post(served, "/tokenize", {"model": "fake", "prompt": "hey", "add_special_tokens": False}).json()
+    assert tok["tokens"] == list(b"hey") and tok["count"] == 3
+    assert post(served, "/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": "hey"}
+    assert post(served, "/tokenize", {"prompt": "hey"}, token=None).status_code == 401
+
+
 def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alike(served):
     r = served.client.chat.completions.create(
         model="fake", messages=MSG, max_tokens=2, extra_body={"vtoken": {"policy": "random", "budget": 0.25}}
@@ -168,12 +192,20 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
         ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "context"),
         ("/v1/chat/completions", {"messages": MSG, "n": 2}, 400, "n", "n=1"),
-        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"x": 5}}, 400, "logit_bias", "integer token"),
+        (
+            "/v1/chat/completions",
+            {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools",
+            "not supported",
+        ),  # fmt: skip
+        ("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None, "nested too deeply"),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model", "gpt-4"),
         ("/v1/chat/completions", {"messages": MSG, "vtoken": {"polcy": "h2o"}}, 400, "vtoken.polcy", "per-request"),
         ("/v1/chat/completions", {"messages": MSG, "vtoken": {"budget": -1}}, 400, "vtoken", "budget"),
         ("/v1/chat/completions", {"messages": MSG, "vtoken": "h2o"}, 400, "vtoken", "object"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, 413, None, "max_request"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 250_000}]}, 413, None, "max_request"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
         ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "batch"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),

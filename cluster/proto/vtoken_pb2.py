@@ -25,43 +25,51 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63luster/proto/vtoken.proto\x12\tvtoken.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.vtoken.v1.ChatMessage\"\xdc\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\xd9\x02\n\rVTokenOptions\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06\x62udget\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\x08interval\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04sink\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x06recent\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12.\n\rpolicy_params\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rprefill_evict\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x1b\n\x0eprefill_window\x18\t \x01(\x05H\x07\x88\x01\x01\x42\t\n\x07_policyB\t\n\x07_budgetB\x0b\n\t_intervalB\x07\n\x05_sinkB\t\n\x07_recentB\x07\n\x05_seedB\x10\n\x0e_prefill_evictB\x11\n\x0f_prefill_window\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.vtoken.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.vtoken.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\x03\x12(\n\x06vtoken\x18\x06 \x01(\x0b\x32\x18.vtoken.v1.VTokenOptionsB\x07\n\x05input\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\"\x16\n\x14\x43lusterStatusRequest\"\xed\x01\n\rReplicaStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x17\n\x0fpromised_blocks\x18\x05 \x01(\x03\x12\x18\n\x10\x62locks_reclaimed\x18\x06 \x01(\x03\x12\x14\n\x0c\x62locks_freed\x18\x07 \x01(\x03\x12\x13\n\x0blive_tokens\x18\x08 \x01(\x03\x12\x0f\n\x07running\x18\t \x01(\x03\x12\x0f\n\x07waiting\x18\n \x01(\x03\x12\x14\n\x0creport_age_s\x18\x0b \x01(\x01\"[\n\x0fScalingDecision\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x15\n\rfrom_replicas\x18\x02 \x01(\x05\x12\x13\n\x0bto_replicas\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xd9\x01\n\rClusterStatus\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.vtoken.v1.ReplicaStatus\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.vtoken.v1.ReplicaStatus\x12\x11\n\tplacement\x18\x03 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x04 \x01(\x05\x12-\n\tdecisions\x18\x05 \x03(\x0b\x32\x1a.vtoken.v1.ScalingDecision\x12\x17\n\x0flast_recovery_s\x18\x06 \x01(\x01\" \n\x0cScaleRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"(\n\rScaleResponse\x12\x17\n\x0ftarget_replicas\x18\x01 \x01(\x05\".\n\x14WatchCapacityRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\"\xd7\x01\n\x0fReplicaCapacity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x18\n\x10\x62locks_reclaimed\x18\x05 \x01(\x03\x12\x17\n\x0fpromised_blocks\x18\x06 \x01(\x03\x12\x0f\n\x07running\x18\x07 \x01(\x03\x12\x0f\n\x07waiting\x18\x08 \x01(\x03\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x13\n\x0breport_time\x18\n \x01(\x01\"^\n\x0e\x43\x61pacityUpdate\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12,\n\x08replicas\x18\x03 \x03(\x0b\x32\x1a.vtoken.v1.ReplicaCapacity2\xa9\x02\n\x06VToken\x12\x45\n\x08Generate\x12\x1a.vtoken.v1.GenerateRequest\x1a\x1b.vtoken.v1.GenerateResponse0\x01\x12M\n\x10GetClusterStatus\x12\x1f.vtoken.v1.ClusterStatusRequest\x1a\x18.vtoken.v1.ClusterStatus\x12:\n\x05Scale\x12\x17.vtoken.v1.ScaleRequest\x1a\x18.vtoken.v1.ScaleResponse\x12M\n\rWatchCapacity\x12\x1f.vtoken.v1.WatchCapacityRequest\x1a\x19.vtoken.v1.CapacityUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63luster/proto/vtoken.proto\x12\tvtoken.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.vtoken.v1.ChatMessage\"\xae\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\r\x88\x01\x01\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.vtoken.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x05\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x05H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x0b\n\t_logprobsB\x19\n\x17_truncate_prompt_tokens\"\xd9\x02\n\rVTokenOptions\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06\x62udget\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\x08interval\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04sink\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x06recent\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12.\n\rpolicy_params\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rprefill_evict\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x1b\n\x0eprefill_window\x18\t \x01(\x05H\x07\x88\x01\x01\x42\t\n\x07_policyB\t\n\x07_budgetB\x0b\n\t_intervalB\x07\n\x05_sinkB\t\n\x07_recentB\x07\n\x05_seedB\x10\n\x0e_prefill_evictB\x11\n\x0f_prefill_window\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.vtoken.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.vtoken.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\x03\x12(\n\x06vtoken\x18\x06 \x01(\x0b\x32\x18.vtoken.v1.VTokenOptionsB\x07\n\x05input\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.vtoken.v1.TokenLogprob\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.vtoken.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"\x16\n\x14\x43lusterStatusRequest\"\xed\x01\n\rReplicaStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x17\n\x0fpromised_blocks\x18\x05 \x01(\x03\x12\x18\n\x10\x62locks_reclaimed\x18\x06 \x01(\x03\x12\x14\n\x0c\x62locks_freed\x18\x07 \x01(\x03\x12\x13\n\x0blive_tokens\x18\x08 \x01(\x03\x12\x0f\n\x07running\x18\t \x01(\x03\x12\x0f\n\x07waiting\x18\n \x01(\x03\x12\x14\n\x0creport_age_s\x18\x0b \x01(\x01\"[\n\x0fScalingDecision\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x15\n\rfrom_replicas\x18\x02 \x01(\x05\x12\x13\n\x0bto_replicas\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xd9\x01\n\rClusterStatus\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.vtoken.v1.ReplicaStatus\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.vtoken.v1.ReplicaStatus\x12\x11\n\tplacement\x18\x03 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x04 \x01(\x05\x12-\n\tdecisions\x18\x05 \x03(\x0b\x32\x1a.vtoken.v1.ScalingDecision\x12\x17\n\x0flast_recovery_s\x18\x06 \x01(\x01\" \n\x0cScaleRequest\x12\x10\n\x08replicas\x18\x01 \x01(\x05\"(\n\rScaleResponse\x12\x17\n\x0ftarget_replicas\x18\x01 \x01(\x05\".\n\x14WatchCapacityRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\"\xd7\x01\n\x0fReplicaCapacity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x18\n\x10\x62locks_reclaimed\x18\x05 \x01(\x03\x12\x17\n\x0fpromised_blocks\x18\x06 \x01(\x03\x12\x0f\n\x07running\x18\x07 \x01(\x03\x12\x0f\n\x07waiting\x18\x08 \x01(\x03\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x13\n\x0breport_time\x18\n \x01(\x01\"^\n\x0e\x43\x61pacityUpdate\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12,\n\x08replicas\x18\x03 \x03(\x0b\x32\x1a.vtoken.v1.ReplicaCapacity2\xa9\x02\n\x06VToken\x12\x45\n\x08Generate\x12\x1a.vtoken.v1.GenerateRequest\x1a\x1b.vtoken.v1.GenerateResponse0\x01\x12M\n\x10GetClusterStatus\x12\x1f.vtoken.v1.ClusterStatusRequest\x1a\x18.vtoken.v1.ClusterStatus\x12:\n\x05Scale\x12\x17.vtoken.v1.ScaleRequest\x1a\x18.vtoken.v1.ScaleResponse\x12M\n\rWatchCapacity\x12\x1f.vtoken.v1.WatchCapacityRequest\x1a\x19.vtoken.v1.CapacityUpdate0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster.proto.vtoken_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=71
   _globals['_CHATMESSAGE']._serialized_end=115
   _globals['_CHATMESSAGES']._serialized_start=117
   _globals['_CHATMESSAGES']._serialized_end=173
   _globals['_SAMPLINGPARAMS']._serialized_start=176
-  _globals['_SAMPLINGPARAMS']._serialized_end=396
-  _globals['_VTOKENOPTIONS']._serialized_start=399
-  _globals['_VTOKENOPTIONS']._serialized_end=744
-  _globals['_GENERATEREQUEST']._serialized_start=747
-  _globals['_GENERATEREQUEST']._serialized_end=964
-  _globals['_GENERATERESPONSE']._serialized_start=967
-  _globals['_GENERATERESPONSE']._serialized_end=1119
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1121
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1143
-  _globals['_REPLICASTATUS']._serialized_start=1146
-  _globals['_REPLICASTATUS']._serialized_end=1383
-  _globals['_SCALINGDECISION']._serialized_start=1385
-  _globals['_SCALINGDECISION']._serialized_end=1476
-  _globals['_CLUSTERSTATUS']._serialized_start=1479
-  _globals['_CLUSTERSTATUS']._serialized_end=1696
-  _globals['_SCALEREQUEST']._serialized_start=1698
-  _globals['_SCALEREQUEST']._serialized_end=1730
-  _globals['_SCALERESPONSE']._serialized_start=1732
-  _globals['_SCALERESPONSE']._serialized_end=1772
-  _globals['_WATCHCAPACITYREQUEST']._serialized_start=1774
-  _globals['_WATCHCAPACITYREQUEST']._serialized_end=1820
-  _globals['_REPLICACAPACITY']._serialized_start=1823
-  _globals['_REPLICACAPACITY']._serialized_end=2038
-  _globals['_CAPACITYUPDATE']._serialized_start=2040
-  _globals['_CAPACITYUPDATE']._serialized_end=2134
-  _globals['_VTOKEN']._serialized_start=2137
-  _globals['_VTOKEN']._serialized_end=2434
+  _globals['_SAMPLINGPARAMS']._serialized_end=1118
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=790
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=838
+  _globals['_VTOKENOPTIONS']._serialized_start=1121
+  _globals['_VTOKENOPTIONS']._serialized_end=1466
+  _globals['_GENERATEREQUEST']._serialized_start=1469
+  _globals['_GENERATEREQUEST']._serialized_end=1686
+  _globals['_GENERATERESPONSE']._serialized_start=1689
+  _globals['_GENERATERESPONSE']._serialized_end=1884
+  _globals['_TOKENLOGPROB']._serialized_start=1886
+  _globals['_TOKENLOGPROB']._serialized_end=1986
+  _globals['_TOPLOGPROB']._serialized_start=1988
+  _globals['_TOPLOGPROB']._serialized_end=2050
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2052
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2074
+  _globals['_REPLICASTATUS']._serialized_start=2077
+  _globals['_REPLICASTATUS']._serialized_end=2314
+  _globals['_SCALINGDECISION']._serialized_start=2316
+  _globals['_SCALINGDECISION']._serialized_end=2407
+  _globals['_CLUSTERSTATUS']._serialized_start=2410
+  _globals['_CLUSTERSTATUS']._serialized_end=2627
+  _globals['_SCALEREQUEST']._serialized_start=2629
+  _globals['_SCALEREQUEST']._serialized_end=2661
+  _globals['_SCALERESPONSE']._serialized_start=2663
+  _globals['_SCALERESPONSE']._serialized_end=2703
+  _globals['_WATCHCAPACITYREQUEST']._serialized_start=2705
+  _globals['_WATCHCAPACITYREQUEST']._serialized_end=2751
+  _globals['_REPLICACAPACITY']._serialized_start=2754
+  _globals['_REPLICACAPACITY']._serialized_end=2969
+  _globals['_CAPACITYUPDATE']._serialized_start=2971
+  _globals['_CAPACITYUPDATE']._serialized_end=3065
+  _globals['_VTOKEN']._serialized_start=3068
+  _globals['_VTOKEN']._serialized_end=3365
 # @@protoc_insertion_point(module_scope)

