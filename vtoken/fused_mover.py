@@ -297,11 +297,12 @@ class FusedMover:
     def wait_unhooked(self, stream: torch.cuda.Stream | None = None) -> None:
         """What the forward's stream waits for before the forward: the per-slot tensors, and every group one of
         whose layers has no attention hook of its own (all of them when none is installed)."""
-        if not self.events:
-            return
-        unhooked = {self.layer_event[i] for i in range(len(self.layer_event)) if i not in self.hooked}
-        for g in sorted({0} | unhooked):
+        for g in self.unhooked_events() if self.events else ():
             self._stream(stream).wait_event(self.events[g])
+
+    def unhooked_events(self) -> list[int]:
+        """The events ``wait_unhooked`` waits on: 0 (per-slot tensors) and the groups of unhooked layers."""
+        return sorted({0} | {g for i, g in enumerate(self.layer_event) if i not in self.hooked})
 
     def layer_of(self, kv_cache: torch.Tensor) -> int | None:
         """The bound layer whose cache starts where ``kv_cache`` does (vLLM binds each layer a view of it)."""
