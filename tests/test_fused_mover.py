@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from vtoken.fused_mover import FusedMover, group_sizes, pool_rows  # noqa: E402
 from vtoken.mover import LAYOUTS, MoveBatch, ReferenceMover  # noqa: E402
@@ -159,6 +159,40 @@ def test_layouts_without_token_rows_and_bad_slots_are_refused():
         pool_rows(LAYOUTS["cpu"](cpu_kv, BS)[0])  # K stored transposed: a token's K is strided
     with pytest.raises(ValueError, match="slots must lie"):
         FusedMover(BS, "flash", "cpu").apply(state(torch.float32)[0], MoveBatch(np.array([0]), np.array([NB * BS])))
+
+
+def hopper_ptx(phase: int, staged: bool, align: int) -> str:
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from vtoken.move_kernel import _kernels
+    except ImportError as e:
+        pytest.skip(f"this Triton cannot compile ahead of time: {e}")
+    ptr = {n: "*i64" for n in ("words", "pools", "stage")} | {"src": "*i32", "dst": "*i32"}
+    ints = {n: "i32" for n in ("n_direct", "n_staged", "block_size", "stage_words")}
+    consts = {"PHASE": phase, "STAGED": staged, "TOK": 32, "BLOCK_W": 32, "ALIGN": align}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7)}
+    src = ASTSource(_kernels()["cuda"], {**ptr, **ints, **dict.fromkeys(consts, "constexpr")}, consts, aligned)
+    try:
+        return triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False}
+        ).asm["ptx"]
+    except RuntimeError as e:  # no ptxas in this Triton build
+        pytest.skip(f"no CUDA toolchain in this Triton: {e}")
+
+
+@pytest.mark.parametrize("phase,staged", [(0, False), (0, True), (1, True)])
+def test_kernel_compiles_for_hopper_and_copies_16_byte_vectors(phase, staged):
+    """No GPU needed: Triton compiles the kernel for sm_90 (the H200) ahead of time. A KV launch (8-byte words,
+    rows of 32 words, bases aligned to 2 words) must load and store 16 bytes per instruction, as a copy does."""
+    ptx = hopper_ptx(phase, staged, align=2)
+    assert "ld.global.v2.b64" in ptx and "st.global.v2.b64" in ptx
+
+
+def test_negative_control_without_the_alignment_hint_the_copy_is_8_bytes_wide():
+    ptx = hopper_ptx(0, False, align=1)
+    assert "st.global.b64" in ptx and "st.global.v2.b64" not in ptx
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

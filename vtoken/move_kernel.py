@@ -59,8 +59,8 @@ def _move_rows(
     block_stride = tl.load(desc + 1)
     slot_stride = tl.load(desc + 2)
     row_stride = tl.multiple_of(tl.load(desc + 3), ALIGN)
-    rows = tl.load(desc + 4)
-    row_words = tl.multiple_of(tl.load(desc + 5), ALIGN)
+    rows = tl.load(desc + 4).to(tl.int32)
+    row_words = tl.multiple_of(tl.load(desc + 5).to(tl.int32), ALIGN)
     stage_off = tl.load(desc + 6)
     t = tl.program_id(0) * TOK + tl.arange(0, TOK)
     if PHASE == 0:
@@ -99,7 +99,9 @@ def _move_rows(
 def _kernels():
     from triton.runtime.interpreter import InterpretedFunction
 
-    return {"cuda": triton.jit(_move_rows), "cpu": InterpretedFunction(_move_rows)}
+    # the move counts change every step: one compiled kernel for all of them, not one more for a count of 1
+    counts = ["n_direct", "n_staged"]
+    return {"cuda": triton.jit(_move_rows, do_not_specialize=counts), "cpu": InterpretedFunction(_move_rows)}
 
 
 def launch(
