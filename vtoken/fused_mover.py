@@ -122,6 +122,8 @@ class FusedMover:
         if layout not in LAYOUTS or layout == "slots":
             raise ValueError(f"unknown KV layout {layout!r} for the fused mover")
         self.block_size, self.layout, self.device = block_size, layout, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors say cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._sizes = list(group_sizes) if group_sizes is not None else None
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -160,7 +162,7 @@ class FusedMover:
         if self.cuda:
             kw = {"external": True} if graph_safe_events() else {}
             self.events = [torch.cuda.Event(**kw) for _ in range(len(sizes) + 1)]
-            self._host = [torch.empty(2 * self.num_slots, dtype=torch.int32).pin_memory() for _ in range(2)]
+            self._host = [torch.empty(2 * self.num_slots, dtype=torch.int32, pin_memory=True) for _ in range(2)]
             self._host_done = [torch.cuda.Event() for _ in self._host]
             self._host_used = [False, False]
             self._turn = 0
