@@ -11,7 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from vtoken.fused_mover import FusedMover, group_sizes, pool_rows  # noqa: E402
+from vtoken.fused_mover import FusedMover, group_sizes  # noqa: E402
+from vtoken.move_kernel import pool_rows  # noqa: E402
 from vtoken.mover import LAYOUTS, MoveBatch, ReferenceMover  # noqa: E402
 
 BS, NB, H, HS, LAYERS = 4, 12, 2, 8, 5  # 5 layers: groups of 1, 2, 2

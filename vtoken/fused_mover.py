@@ -32,16 +32,14 @@ On CPU tensors the same kernel runs under Triton's interpreter, without streams 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from vtoken import move_kernel
+from vtoken.move_kernel import WORDS, Launch
 from vtoken.mover import LAYOUTS, MoveBatch, graph_safe_events
-
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def group_sizes(num_layers: int) -> list[int]:
@@ -56,48 +54,6 @@ def group_sizes(num_layers: int) -> list[int]:
             sizes.append(size)
         left -= size
     return sizes
-
-
-def pool_rows(view: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """A view indexed [block, offset, ...] as token rows: (block, slot, row strides, rows, row length), in
-    elements. Raises ValueError when a token's elements are not rows of contiguous elements."""
-    if view.dim() == 2:
-        return view.stride(0), view.stride(1), 0, 1, 1
-    if view.dim() == 3 and (view.stride(2) == 1 or view.shape[2] == 1):
-        return view.stride(0), view.stride(1), 0, 1, view.shape[2]
-    if view.dim() == 4 and (view.stride(3) == 1 or view.shape[3] == 1):
-        return view.stride(0), view.stride(1), view.stride(2), view.shape[2], view.shape[3]
-    raise ValueError(f"a view of shape {tuple(view.shape)}, strides {view.stride()} has no contiguous token rows")
-
-
-class _Launch:
-    """One group's launch: its pools as a device table, the word type, the tile, the event it records."""
-
-    def __init__(self, views: list[torch.Tensor], device: torch.device, event: int) -> None:
-        base = min(views, key=lambda v: v.data_ptr())
-        rows = []
-        for v in views:
-            block, slot, row, n_rows, length = pool_rows(v)
-            es = v.element_size()
-            rows.append([v.data_ptr() - base.data_ptr(), block * es, slot * es, row * es, n_rows, length * es])
-        nbytes = [x for r in rows for x in (r[0], r[1], r[2], r[3], r[5])] + [base.data_ptr()]
-        self.word = next(w for w in (8, 4, 2, 1) if all(x % w == 0 for x in nbytes))
-        table, offset = [], 0
-        for r in rows:
-            words = [x // self.word for x in (r[0], r[1], r[2], r[3])]
-            table.append([*words, r[4], r[5] // self.word, offset])
-            offset += r[4] * r[5] // self.word
-        self.stage_words = offset  # words of one staged token (every pool's rows)
-        self.token_bytes = offset * self.word
-        self.num_pools = len(views)
-        self.pools = torch.tensor(table, dtype=torch.int64).to(device)
-        # the pools' memory seen as words from the lowest address (a one-word view; the kernel reads past it)
-        n = -(-self.word // base.element_size())
-        self.words = base.as_strided((n,), (1,)).view(torch.uint8)[: self.word].view(_WORDS[self.word])
-        g = math.gcd(*[x for t in table for x in (*t[:4], t[5], t[6])], offset)
-        align = g & -g if g else 1  # the largest power of two dividing every offset: the vector width
-        self.geometry = move_kernel.tile(max(t[5] for t in table), self.word, min(align, max(1, 16 // self.word)))
-        self.event = event
 
 
 class FusedMover:
@@ -147,11 +103,11 @@ class FusedMover:
             raise ValueError(f"group sizes {sizes} do not cover {len(kv)} layers")
         self._launches, self.layer_event = [], []
         if extra:
-            self._launches.append(_Launch([v for t in extra for v in LAYOUTS["slots"](t, bs)], dev, 0))
+            self._launches.append(Launch([v for t in extra for v in LAYOUTS["slots"](t, bs)], dev, 0))
         start = 0
         for g, size in enumerate(sizes):
             layers = kv[start : start + size]
-            self._launches.append(_Launch([v for t in layers for v in LAYOUTS[self.layout](t, bs)], dev, g + 1))
+            self._launches.append(Launch([v for t in layers for v in LAYOUTS[self.layout](t, bs)], dev, g + 1))
             self.layer_event += [g + 1] * size
             start += size
         self.num_slots = int(kv[0].shape[0] * bs if kv else extra[0].shape[0])
@@ -196,7 +152,7 @@ class FusedMover:
                 self._stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         else:
             self._stage = torch.empty(nbytes, dtype=torch.uint8)
-        self._stage_views = {w: self._stage[: nbytes - nbytes % w].view(_WORDS[w]) for w in _WORDS}
+        self._stage_views = {w: self._stage[: nbytes - nbytes % w].view(WORDS[w]) for w in WORDS}
 
     # ------------------------------------------------------------------ one step
     def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:

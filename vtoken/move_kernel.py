@@ -20,7 +20,8 @@ One launch covers every pool of a group (grid: move tiles x pools) and runs one 
 The caller orders each batch so that a "direct" move writes a slot no move reads; then phase 0 reads every
 source before any write could clobber it, whatever order its programs run in, and phase 1 (a second
 launch, stream-ordered after the first) writes the slots that other moves read. A batch with no such slot
-needs one launch per group. ``vtoken/fused_mover.py`` owns the ordering, the buffers and the streams.
+needs one launch per group. ``Launch`` turns a group's tensors into the pool table; ``vtoken/fused_mover.py``
+owns the ordering, the buffers and the streams.
 
 The kernel is built twice from one Python function: ``triton.jit`` for CUDA tensors and Triton's
 interpreter for CPU tensors (the CPU tests). Choosing the interpreter by device, rather than through
@@ -31,11 +32,14 @@ the process as it is.
 from __future__ import annotations
 
 import functools
+import math
 
+import torch
 import triton
 import triton.language as tl
 
 POOL_FIELDS = 7  # base, block_stride, slot_stride, row_stride, rows, row_words, stage_offset (all in words)
+WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _move_rows(
@@ -152,3 +156,45 @@ def tile(max_row_words: int, word_bytes: int, align: int, max_tok: int = 64) -> 
     block_w = min(triton.next_power_of_2(max(max_row_words, 1)), max(1, 1024 // word_bytes))
     tok = max(1, min(max_tok, (8192 // word_bytes) // block_w))
     return tok, block_w, min(align, block_w)
+
+
+def pool_rows(view: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """A view indexed [block, offset, ...] as token rows: (block, slot, row strides, rows, row length), in
+    elements. Raises ValueError when a token's elements are not rows of contiguous elements."""
+    if view.dim() == 2:
+        return view.stride(0), view.stride(1), 0, 1, 1
+    if view.dim() == 3 and (view.stride(2) == 1 or view.shape[2] == 1):
+        return view.stride(0), view.stride(1), 0, 1, view.shape[2]
+    if view.dim() == 4 and (view.stride(3) == 1 or view.shape[3] == 1):
+        return view.stride(0), view.stride(1), view.stride(2), view.shape[2], view.shape[3]
+    raise ValueError(f"a view of shape {tuple(view.shape)}, strides {view.stride()} has no contiguous token rows")
+
+
+class Launch:
+    """One group's launch: its pools as a device table, the word type, the tile, the event it records."""
+
+    def __init__(self, views: list[torch.Tensor], device: torch.device, event: int) -> None:
+        base = min(views, key=lambda v: v.data_ptr())
+        rows = []
+        for v in views:
+            block, slot, row, n_rows, length = pool_rows(v)
+            es = v.element_size()
+            rows.append([v.data_ptr() - base.data_ptr(), block * es, slot * es, row * es, n_rows, length * es])
+        nbytes = [x for r in rows for x in (r[0], r[1], r[2], r[3], r[5])] + [base.data_ptr()]
+        self.word = next(w for w in (8, 4, 2, 1) if all(x % w == 0 for x in nbytes))
+        table, offset = [], 0
+        for r in rows:
+            words = [x // self.word for x in (r[0], r[1], r[2], r[3])]
+            table.append([*words, r[4], r[5] // self.word, offset])
+            offset += r[4] * r[5] // self.word
+        self.stage_words = offset  # words of one staged token (every pool's rows)
+        self.token_bytes = offset * self.word
+        self.num_pools = len(views)
+        self.pools = torch.tensor(table, dtype=torch.int64).to(device)
+        # the pools' memory seen as words from the lowest address (a one-word view; the kernel reads past it)
+        n = -(-self.word // base.element_size())
+        self.words = base.as_strided((n,), (1,)).view(torch.uint8)[: self.word].view(WORDS[self.word])
+        g = math.gcd(*[x for t in table for x in (*t[:4], t[5], t[6])], offset)
+        align = g & -g if g else 1  # the largest power of two dividing every offset: the vector width
+        self.geometry = tile(max(t[5] for t in table), self.word, min(align, max(1, 16 // self.word)))
+        self.event = event
