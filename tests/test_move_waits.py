@@ -114,3 +114,19 @@ def test_cpu_still_runs_eagerly():
     if current_platform.is_cuda():
         pytest.skip("a CUDA build of vLLM")
     assert engine_mod.engine_kwargs(VTokenConfig(policy="h2o"), block_size=16)["enforce_eager"] is True
+
+
+def test_the_scorer_hook_refuses_to_be_captured_into_a_cuda_graph(monkeypatch):
+    """A full graph would replay attention without the scorer's hook: capturing it fails loudly instead."""
+    from vtoken.vllm_adapter import scores
+
+    log = []
+    impl = FakeImpl(log, 0)
+    scores.install({"layer": SimpleNamespace(impl=impl)}, scorer=None)
+    cuda_query = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="PIECEWISE"):
+        impl.forward(None, cuda_query, None, None, None, None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    impl.forward(None, cuda_query, None, None, None, None)  # eager, between captured pieces: runs
+    assert log == [("attend", 0)]
