@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# GPU checks for the parts of vToken that need only PyTorch: the CUDA mover (side stream + event) and the
-# attention scorer in the CUDA layout (against its plain reference, fp32/bf16/fp16, with compaction between
-# steps, and without host synchronisation), then a mover and a scorer micro-benchmark on the device.
-# Runs on a machine with one CUDA GPU and a python3 that has torch, numpy, pytest and hypothesis
-# (no vLLM needed); finishes in well under 3 minutes. Results land in $OUT (or ./gpu_out).
+# GPU checks for the parts of vToken that need only PyTorch and Triton (no vLLM on the GPU machine):
+#  1. tests marked gpu: the fused mover against the per-move reference (fp32/bf16/fp16, a block reused in the
+#     same step), no host synchronisation, the per-layer waits with a planted missing wait, a captured CUDA
+#     graph of an attention stack reading the slots the mover just wrote (and one without the waits, caught);
+#     today's CudaMover; the attention scorer in the CUDA layout against its reference.
+#  2. `vtoken bench core --device cuda`: the fused mover's GB/s against a contiguous copy_ of the same bytes and
+#     against today's mover (SmolLM2's and an 8B model's shapes), and a synthetic paged-attention decode step
+#     (CUDA graph) without moves, with a step's moves serial and overlapped.
+#  3. the scorer per decode step at three context lengths.
+# Runs on a machine with one CUDA GPU and a python3 that has torch (with Triton), numpy, pytest and hypothesis;
+# the three steps are capped at 80 + 60 + 35 s, so it ends in under 3 minutes. Results land in $OUT (or ./gpu_out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}; mkdir -p "$out"
 py=${PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-"$py" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0), torch.__version__)'
-timeout 120 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_mover.py tests/test_scores.py 2>&1 | tee "$out/gpu_tests.log"
-timeout 60 "$py" -m vtoken.bench core --device cuda --out "$out" 2>&1 | tee "$out/gpu_bench.log"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+"$py" -c 'import torch, triton; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0), torch.__version__, "triton", triton.__version__)'
+status=0
+timeout 80 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_mover.py tests/test_cuda_graph_moves.py \
+  tests/test_mover.py tests/test_scores.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 60 "$py" -m vtoken.bench core --device cuda --out "$out" 2>&1 | tee "$out/gpu_bench.log" || status=1
 # The scorer per decode step at three context lengths (4 requests, SmolLM2's shapes), bf16 as served.
-timeout 60 "$py" -m vtoken.bench.overhead --device cuda --dtype bfloat16 --lengths 1024,4096,16384 \
-  > "$out/gpu_scorer.json" 2> >(tee "$out/gpu_scorer.log" >&2)
+timeout 35 "$py" -m vtoken.bench.overhead --device cuda --dtype bfloat16 --lengths 1024,4096,16384 \
+  > "$out/gpu_scorer.json" 2> >(tee "$out/gpu_scorer.log" >&2) || status=1
 cat "$out/gpu_scorer.json"
+exit $status

@@ -19,6 +19,10 @@ into views indexed ``[block, offset, ...]`` so the same code serves every backen
 A layout no view describes (vLLM's CPU backend with AMX packs bf16 K and V in VNNI pairs) is a
 ``vtoken.kv_layout.TableLayout``, learned from the backend's own cache write; the mover then gathers and
 scatters each token's elements by their positions in the cache.
+
+On CUDA, ``vtoken/fused_mover.py`` applies the same batch with one Triton launch per group of layers (a
+second one only for moves whose destination another move reads), and each layer's attention waits only for
+its group; CpuMover and ReferenceMover below stay as the CPU path and the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -137,6 +141,10 @@ class CpuMover:
 class CudaMover(CpuMover):
     """Runs the moves on a side CUDA stream after the forward; the next forward waits on ``event``.
 
+    The unfused mover: two indexing kernels and their temporaries per view and layer, and one host wait per
+    step for its pinned buffers. ``make_mover`` picks ``vtoken.fused_mover.FusedMover`` where it can; this one
+    stays for other layouts and as the benchmark's "today" line.
+
     The side stream first waits for the compute stream (the forward that wrote this step's KV), so it never
     reads KV that is still being written; the compute stream later waits for ``event`` before attention
     reads the moved slots. The CPU never blocks.
@@ -179,6 +187,8 @@ class CudaMover(CpuMover):
             self.event.synchronize()
         self._keepalive.clear()
 
+    wait_unhooked = wait  # no per-layer hooks: the forward waits for every move (FusedMover's API)
+
 
 class ReferenceMover:
     """Plain per-move reference for tests: copies every source token out, then writes each one back."""
@@ -206,9 +216,26 @@ class ReferenceMover:
                 t.view(-1)[at(t, d)] = tok
 
 
-def make_mover(device: torch.device | str, block_size: int, layout: Layout | None = None) -> CpuMover:
-    """The mover for a device: a side-stream CudaMover on CUDA, the batched CpuMover elsewhere."""
+def graph_safe_events() -> bool:
+    """Whether torch's CUDA events can be waited on inside a captured CUDA graph (``Event(external=True)``: the
+    wait becomes an event-wait node for work recorded outside the graph)."""
+    import inspect
+
+    return "external" in inspect.signature(torch.cuda.Event.__new__).parameters
+
+
+def make_mover(device: torch.device | str, block_size: int, layout: Layout | None = None):
+    """The mover for a device: on CUDA the fused mover (``vtoken/fused_mover.py``: Triton, a few launches a step,
+    an event per layer group) for the FlashAttention layout, today's side-stream CudaMover for a layout whose
+    tokens are not rows of contiguous elements or where Triton is missing; the batched CpuMover elsewhere."""
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaMover(block_size, layout or "flash", device)
+        layout = layout or "flash"
+        if layout == "flash":
+            try:
+                from vtoken.fused_mover import FusedMover
+            except ImportError:  # no Triton: the unfused mover still runs
+                return CudaMover(block_size, layout, device)
+            return FusedMover(block_size, layout, device)
+        return CudaMover(block_size, layout, device)
     return CpuMover(block_size, layout or "cpu")

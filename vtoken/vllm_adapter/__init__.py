@@ -5,6 +5,7 @@ engine.py        engine_kwargs / make_llm / open_llm / make_async_llm / vtoken_s
 scheduler.py     VTokenScheduler: vLLM glue around the compactor (vtoken/compactor.py)
 model_runner.py  worker side: moves before the forward, logical RoPE vs physical slots
 scores.py        attention statistics for h2o / scissorhands, per physical slot on the device
+move_waits.py    CUDA: each attention layer waits only for its own layers' moves (graph safe)
 cpu_layout.py    the KV layout vLLM's CPU kernel writes on this machine, learned from its own cache write
 worker.py        worker classes vLLM loads by name
 """

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 from collections.abc import Iterator
@@ -82,7 +83,10 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
         # (vllm/v1/core/sched/scheduler.py Scheduler.schedule). Capping the step budget itself would starve
         # decoding requests, so vToken leaves it to the caller.
         kwargs.update(enable_chunked_prefill=True, long_prefill_token_threshold=cfg.prefill_chunk)
-    kwargs.setdefault("enforce_eager", True)  # attention-score hooks run eagerly
+    if _platform() == "cpu":
+        kwargs.setdefault("enforce_eager", True)  # as always on CPU: the scorer's hooks and the moves run eagerly
+    else:
+        kwargs = _cuda_graphs(cfg, kwargs)
     return {
         **kwargs,
         "scheduler_cls": SCHEDULER,
@@ -112,6 +116,35 @@ def serve_args(vtoken: VTokenConfig | dict, **kwargs: Any) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
+
+
+def _cuda_graphs(cfg: VTokenConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """CUDA graphs stay on. The moves run outside every graph, on a side stream, and each layer's wait is graph
+    safe (vllm_adapter/move_waits.py). The scorer's hook must run at every step: under vLLM's piecewise graphs
+    attention is a splitting op and runs eagerly between captured pieces, but a full graph would replay it
+    without calling the hook. So with a scorer (or without graph-safe events in this torch) graphs are
+    piecewise, and a full mode asked for is refused; without one vLLM's default (full and piecewise) stays."""
+    from vtoken.mover import graph_safe_events
+
+    if kwargs.get("enforce_eager") or (not (cfg.make_policy().needs or cfg.collect_scores) and graph_safe_events()):
+        return kwargs
+    why = "the attention scorer's hook must run every step" if graph_safe_events() else "torch lacks external events"
+    cc = kwargs.get("compilation_config")
+    if isinstance(cc, int):  # vLLM takes a bare compilation mode too
+        cc = {"mode": cc}
+    if cc is None or isinstance(cc, dict):
+        cc = dict(cc or {})
+        mode = cc.setdefault("cudagraph_mode", "PIECEWISE")
+    else:
+        mode = getattr(cc, "cudagraph_mode", None)
+        if mode is None:
+            from vllm.config import CUDAGraphMode
+
+            cc = copy.deepcopy(cc)
+            cc.cudagraph_mode = mode = CUDAGraphMode.PIECEWISE
+    if "FULL" in str(getattr(mode, "name", mode)).upper():
+        raise ValueError(f"vToken on CUDA needs piecewise CUDA graphs here ({why}); got cudagraph_mode={mode}")
+    return {**kwargs, "compilation_config": cc}
 
 
 def make_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):

@@ -1,7 +1,8 @@
 """Worker side of vToken: a mixin over vLLM's V1 GPUModelRunner (and its CPUModelRunner subclass).
 
 Per step, before vLLM's own code runs: apply the scheduler's moves (one gather-then-scatter over every
-layer, plus the attention statistics), truncate the block lists of compacted requests, and record each
+layer, plus the attention statistics; on CUDA issued on a side stream, each layer's attention waiting only
+for its own layers' moves: move_waits.py), truncate the block lists of compacted requests, and record each
 request's gap (logical - physical length). Then, in ``_prepare_inputs``, positions stay LOGICAL (RoPE),
 while slot mapping and ``seq_lens`` become PHYSICAL (position - gap): attention reads exactly the packed
 slots, in which no dead token remains. The same split serves prefill chunks and decode steps.
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from vtoken.mover import make_mover
+from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.config import VTokenConfig
 from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
@@ -49,10 +51,14 @@ class VTokenRunnerMixin:
         else:
             layout = "flash"
         self.vt_mover = make_mover(self.device, bs, layout)
+        forward_context = self.compilation_config.static_forward_context
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
             self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
-            scores_mod.install(self.compilation_config.static_forward_context, self.vt_scorer)
+            scores_mod.install(forward_context, self.vt_scorer)
+        # CUDA: bind the fused mover to the caches once (fixed addresses) and make each layer wait for its moves
+        extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
+        move_waits.install(forward_context, self.vt_mover, self.kv_caches, extra)
         return out
 
     # ---------------------------------------------------------------- before vLLM's step
@@ -67,6 +73,7 @@ class VTokenRunnerMixin:
     def _vt_apply(self, step: VTokenStep, so) -> None:
         if len(step.moves):
             self._vt_move(step)
+            self._vt_order_moves(so)
         for rid, keep in step.keep_blocks.items():
             self._vt_set_blocks(rid, lambda ids, keep=keep: ids[:keep])
         self.vt_gaps.update(step.gaps)
@@ -83,10 +90,20 @@ class VTokenRunnerMixin:
         extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
         before = self.vt_mover.bytes_moved
         self.vt_mover.apply(self.kv_caches, step.moves, extra)
-        if hasattr(self.vt_mover, "wait"):
-            self.vt_mover.wait()  # CUDA: the forward's stream waits on the side stream's event
         self.vt_bytes_moved += self.vt_mover.bytes_moved - before
         self.vt_move_seconds += time.perf_counter() - t0
+
+    def _vt_order_moves(self, so) -> None:
+        """CUDA: what the forward's stream waits for before the forward (the moves run on a side stream). vLLM
+        zeroes and copies blocks before the forward (GPUModelRunner._update_states: new_block_ids_to_zero,
+        kv_cache_block_copies), maybe a block a move reads: then every move; else only what no attention hook
+        waits for (move_waits.py): the per-slot statistics, which _prepare_inputs resets."""
+        if not hasattr(self.vt_mover, "wait_unhooked"):
+            return  # CPU: the moves are done already
+        if getattr(so, "new_block_ids_to_zero", None) or getattr(so, "kv_cache_block_copies", None):
+            self.vt_mover.wait()
+        else:
+            self.vt_mover.wait_unhooked()
 
     def _vt_set_blocks(self, rid: str, new) -> None:
         """Rewrite a request's block list in CachedRequestState and in the persistent batch together: a

@@ -6,15 +6,25 @@ those to ``AttentionScorer.observe`` once the layer's own attention is done. The
 (``vtoken/scores.py``) knows no vLLM beyond four metadata field names, so it is tested, and checked on a
 GPU, without vLLM.
 
-Per step the model runner calls ``reset_slots`` (slots written this step) and ``begin_step`` (rows to
-observe and how many of their last queries) before the forward, and ``end_step`` after it.
+On CUDA the hook runs between the pieces of vLLM's piecewise CUDA graphs (attention is a splitting op there),
+never inside a captured graph. Per step the model runner calls ``reset_slots`` (slots written this step) and
+``begin_step`` (rows to observe and how many of their last queries) before the forward, and ``end_step`` after.
 """
 
 from __future__ import annotations
 
+import torch
+
 from vtoken.scores import AttentionScorer
 
 __all__ = ["AttentionScorer", "install"]
+
+# A full CUDA graph would replay attention without calling the hook (and the hook allocates): engine_kwargs keeps
+# graphs piecewise when a scorer runs, so attention runs eagerly between captured pieces; this says so if not.
+CAPTURED = (
+    "vToken's attention scorer runs at every step and cannot be captured into a full CUDA graph: use "
+    "compilation_config={'cudagraph_mode': 'PIECEWISE'} (vtoken.vllm_adapter.engine_kwargs sets it)"
+)
 
 
 def install(attention_layers: dict, scorer: AttentionScorer) -> int:
@@ -27,6 +37,8 @@ def install(attention_layers: dict, scorer: AttentionScorer) -> int:
         orig = impl.forward
 
         def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, _orig=orig, _impl=impl, **kw):
+            if query.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(CAPTURED)
             out = _orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kw)
             if attn_metadata is not None and kv_cache is not None and kv_cache.numel():
                 scorer.observe(query, kv_cache, attn_metadata, _impl.scale)
