@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from actors.report import empty_pool
-from vtoken.vllm_adapter.messages import PoolReport
+from vtoken.pool_report import PoolReport
 
 # Chunk.code values and what the client sees: the gateway maps them to gRPC status codes.
 ERROR_CODES = ("invalid_argument", "unavailable", "internal")

@@ -30,7 +30,7 @@ from typing import Any
 
 from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec
 from actors.report import ReplicaReport, empty_pool
-from vtoken.vllm_adapter.messages import PoolReport
+from vtoken.pool_report import PoolReport
 
 log = logging.getLogger("vtoken.replica")
 REPORT_TIMEOUT_S = 60.0  # an engine step can hold a report back; a pool report that takes longer is a fault

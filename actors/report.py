@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from vtoken.vllm_adapter.messages import PoolReport
+from vtoken.pool_report import PoolReport
 
 
 def empty_pool(block_size: int = 0, running: int = 0) -> PoolReport:

@@ -226,7 +226,7 @@ class ServeConfig(_Strict):
     @field_validator("vtoken")
     @classmethod
     def _vtoken(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from vtoken.vllm_adapter.config import VTokenConfig
+        from vtoken.config import VTokenConfig
 
         for key, value in _numbers(v, "vtoken"):
             if not math.isfinite(value):

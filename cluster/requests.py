@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, ValidationError
 from vllm.exceptions import VLLMClientError
 
-from vtoken.vllm_adapter.config import REQUEST_KEYS, VTokenConfig, request_args
+from vtoken.config import REQUEST_KEYS, VTokenConfig, request_args
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 EXTENSION = "vtoken"  # the request's own eviction options: HTTP extra_body={"vtoken": {...}}, gRPC VTokenOptions

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vtoken.config import RequestConfigs  # noqa: E402
 from vtoken.vllm_adapter import VTokenConfig, engine_kwargs  # noqa: E402
-from vtoken.vllm_adapter.config import RequestConfigs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # vLLM internals that only the adapter may name: its request-id suffix, its engine's shutdown and core, its

@@ -84,6 +84,16 @@ def test_yaml_infinity_in_the_vtoken_section_is_a_config_error(tmp_path):
         load_config(path)
 
 
+def test_yaml_mode_off_unquoted_means_off(tmp_path):
+    """YAML 1.1 reads a bare `off` as false; a user who writes `vtoken: {mode: off}` means stock vLLM."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: tiny-llama\nvtoken: {mode: off}\n")
+    assert load_config(path).vtoken["mode"] == "off"
+    path.write_text("model: tiny-llama\nvtoken: {mode: true}\n")
+    with pytest.raises(ConfigError, match="vtoken.mode"):
+        load_config(path)
+
+
 def test_a_known_model_needs_no_folder_here_and_a_fake_engine_no_model():
     assert parse_config({"model": "smollm2-135m"}).model == "smollm2-135m"
     assert parse_config({"model": "anything", "engine": {"kind": "fake"}})

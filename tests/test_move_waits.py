@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("triton")
 
 from vtoken import mover as mover_mod  # noqa: E402
+from vtoken.config import VTokenConfig  # noqa: E402
 from vtoken.fused_mover import FusedMover  # noqa: E402
 from vtoken.mover import CpuMover  # noqa: E402
 from vtoken.vllm_adapter import engine as engine_mod  # noqa: E402
 from vtoken.vllm_adapter import move_waits  # noqa: E402
-from vtoken.vllm_adapter.config import VTokenConfig  # noqa: E402
 from vtoken.vllm_adapter.model_runner import VTokenRunnerMixin  # noqa: E402
 
 BS = 4

@@ -1,6 +1,6 @@
-"""vToken's vLLM 0.32.0 adapter: the only package that touches vLLM internals.
+"""vToken's vLLM 0.32.0 adapter: the only package that touches vLLM internals. The user's switch, VTokenConfig,
+lives in vtoken/config.py and the pool report in vtoken/pool_report.py (no torch, no vLLM); both are re-exported.
 
-config.py        VTokenConfig, the user's switch (mode off | naive | vtoken, policy, budget, ...)
 engine.py        engine_kwargs / make_llm / open_llm / make_async_llm / vtoken_stats / pool_report
 scheduler.py     VTokenScheduler: vLLM glue around the compactor (vtoken/compactor.py)
 model_runner.py  worker side: moves before the forward, logical RoPE vs physical slots
@@ -10,7 +10,8 @@ cpu_layout.py    the KV layout vLLM's CPU kernel writes on this machine, learned
 worker.py        worker classes vLLM loads by name
 """
 
-from vtoken.vllm_adapter.config import VTokenConfig, request_args
+from vtoken.config import VTokenConfig, request_args
+from vtoken.pool_report import PoolReport
 from vtoken.vllm_adapter.engine import (
     engine_kwargs,
     make_async_llm,
@@ -23,7 +24,6 @@ from vtoken.vllm_adapter.engine import (
     vtoken_stats,
     vtoken_stats_async,
 )
-from vtoken.vllm_adapter.messages import PoolReport
 
 __all__ = [
     "PoolReport",

@@ -16,8 +16,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from vtoken.vllm_adapter.config import CONFIG_KEY, VTokenConfig
-from vtoken.vllm_adapter.messages import PoolReport
+from vtoken.config import CONFIG_KEY, VTokenConfig
+from vtoken.pool_report import PoolReport
 
 SCHEDULER = "vtoken.vllm_adapter.scheduler.VTokenScheduler"
 TESTING_KEY = "vtoken_testing"  # testing knobs (vtoken/vllm_adapter/testing.py); never from a user's config

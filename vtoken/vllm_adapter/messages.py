@@ -7,7 +7,6 @@ They ride on vLLM's own per-step objects as an extra attribute (``SchedulerOutpu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -36,41 +35,3 @@ class VTokenWorkerOutput:
 
 def empty_step() -> VTokenStep:
     return VTokenStep(MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
-
-
-class PoolReport(NamedTuple):
-    """EngineCore -> its client (a replica, a metrics exporter): the engine's KV pool in a few numbers.
-
-    Cheap by construction: O(running requests) small integer sums, no per-token work, no request records.
-    Counters (``*_total``) only grow for the engine's life; the rest describe this moment.
-    """
-
-    free_blocks: int  # blocks vLLM's pool can hand out now
-    total_blocks: int  # usable blocks in the pool (vLLM's null block excluded)
-    kv_cache_usage: float  # vLLM's own figure: 1 - free / total
-    running: int
-    waiting: int
-    live_tokens: int  # live tokens over running requests
-    retained_blocks: int  # blocks running requests hold (naive mode: with its ballast)
-    naive_retained_blocks: int  # blocks Naive-Evict would hold for the same live tokens
-    blocks_reclaimed: int  # naive_retained_blocks - retained_blocks, never below 0
-    admitted: tuple[str, ...]  # caller ids of the requests whose blocks these figures count, sorted
-    blocks_freed_total: int  # blocks returned to the pool by compaction
-    tokens_evicted_total: int
-    tokens_moved_total: int
-    compaction_seconds_total: float  # scheduler-side eviction + planning time
-    preemptions_total: int
-
-    block_size: int
-
-    @classmethod
-    def from_wire(cls, fields) -> PoolReport:
-        """vLLM's utility RPC carries a NamedTuple as a plain sequence (msgpack, tuples become lists)."""
-        r = cls._make(fields)
-        return r._replace(admitted=tuple(r.admitted))
-
-    @property
-    def fragmentation(self) -> float:
-        """Share of the retained blocks' slots that hold no live token."""
-        cap = self.retained_blocks * self.block_size
-        return 0.0 if not cap else max(0.0, 1.0 - self.live_tokens / cap)

@@ -15,10 +15,10 @@ import time
 import numpy as np
 import torch
 
+from vtoken.config import VTokenConfig
 from vtoken.mover import make_mover
 from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
-from vtoken.vllm_adapter.config import VTokenConfig
 from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.tp import TensorParallel

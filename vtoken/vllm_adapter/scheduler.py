@@ -25,10 +25,11 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vtoken.compactor import Compactor, Progress, StepPlan
+from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
+from vtoken.pool_report import PoolReport
 from vtoken.records import RequestRecord
 from vtoken.replay import request_seed
-from vtoken.vllm_adapter.config import CONFIG_KEY, RequestConfigs, VTokenConfig
-from vtoken.vllm_adapter.messages import PoolReport, VTokenStep, VTokenWorkerOutput
+from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from vtoken.compactor import StepPlan
+from vtoken.config import VTokenConfig
 from vtoken.mover import MoveBatch
 from vtoken.planner import to_global_slots
 from vtoken.vllm_adapter import engine as engine_mod
-from vtoken.vllm_adapter.config import VTokenConfig
 from vtoken.vllm_adapter.engine import TESTING_KEY
 from vtoken.vllm_adapter.faults import FAULTS, FaultyTensorParallel
 from vtoken.vllm_adapter.scheduler import VTokenScheduler

@@ -73,6 +73,12 @@ class VTokenConfig(BaseModel):
         "policy needs none, so that single requests may choose h2o or scissorhands",
     )
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        """YAML 1.1 reads a bare ``off`` as the boolean false: ``mode: off`` means mode "off"."""
+        return "off" if v is False else v
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
