@@ -17,7 +17,7 @@ from pathlib import Path
 
 BENCHMARKS = {
     name: f"vtoken.bench.{name}"
-    for name in ("blocks", "concurrency", "sla", "overhead", "quality", "footprint", "core", "goodput")
+    for name in ("blocks", "concurrency", "sla", "overhead", "quality", "footprint", "core", "goodput", "serve")
 }
 
 

@@ -1,0 +1,275 @@
+"""Side by side with stock vLLM, measured by vLLM's own benchmark client (`vllm bench serve`).
+
+On one machine, with the same model, engine settings and KV pool, four servers take the same requests:
+
+  stock    stock vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: what `vllm serve` runs)
+  off      `vtoken serve`, one replica, vToken off: what the Ray stack (gateway, controller, replica) costs
+  vtoken   the same with vToken on (``--policy`` at ``--budget``): what eviction and repacking buy
+  two      `vtoken serve` with two replicas, vToken on (on a CPU machine each replica gets its own cores)
+
+The client is vLLM's, unchanged (vllm/benchmarks/serve.py through ``python -m vtoken.bench.vllm_client``):
+random prompts of ``--input-len`` tokens, ``--output-len`` tokens each (ignore_eos), Poisson arrivals at each
+rate of ``--rates``, and vLLM's own metric names: TTFT, TPOT, ITL and E2E percentiles, request throughput,
+and goodput (requests per second that met ``--goodput``'s SLA). Ratios are to stock vLLM at the same rate, in
+the same run. A measurement, not a test: it depends on what else the machine runs (the result says the load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from vtoken.bench.engine_run import log
+from vtoken.bench.report import Table
+
+SERVERS = ("stock", "off", "vtoken", "two")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"any of {', '.join(SERVERS)}")
+    p.add_argument("--rates", default="0.15,2", help="request rates (requests/s), one client run each")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--kv-bytes", type=int, default=64 << 20, help="KV pool of every server (each replica)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--goodput", default="ttft:4000,tpot:250", help="SLA in ms, vLLM's --goodput KEY:VALUE pairs")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(args) -> dict[str, Any]:
+    return {"dtype": "float32", "block_size": 32, "max_model_len": args.max_model_len,
+            "kv_cache_memory_bytes": args.kv_bytes, "enforce_eager": True}  # fmt: skip
+
+
+@contextlib.contextmanager
+def stock_server(args, folder: str) -> Iterator[str]:
+    """vLLM's own OpenAI server with the engine arguments every vToken replica gets (cluster/controller.py)."""
+    import httpx
+
+    e, port = _engine(args), _free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+        "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+        "--dtype", e["dtype"], "--block-size", str(e["block_size"]), "--max-model-len", str(e["max_model_len"]),
+        "--kv-cache-memory-bytes", str(e["kv_cache_memory_bytes"]), "--enforce-eager",
+    ]  # fmt: skip
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            t_end = time.monotonic() + 600
+            while True:
+                if proc.poll() is not None:
+                    out.seek(0)
+                    errors = [line for line in out.read().splitlines() if "Error:" in line] or ["(no error line)"]
+                    raise RuntimeError(f"stock vLLM server exited ({proc.returncode}): {errors[-1][-1000:]}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                if time.monotonic() > t_end:
+                    raise RuntimeError("stock vLLM server did not become healthy in 600 s")
+                time.sleep(1)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def vtoken_server(args, replicas: int, vtoken: dict[str, Any]) -> Iterator[str]:
+    """`vtoken serve` in this process (an embedded Ray): controller, replicas, the OpenAI door."""
+    from cluster.config import parse_config
+    from cluster.server import BackgroundServer, start_ray
+
+    cfg = parse_config(
+        {
+            "name": f"bench-serve-{replicas}-{vtoken['mode']}",
+            "model": args.model,
+            "replicas": replicas,
+            "vtoken": vtoken,
+            "engine": _engine(args),
+            # One replica may use every core, as stock vLLM does; two get a core each (one "device" each).
+            "replica": {"num_cpus": 1 if replicas > 1 else 0, "pin_cpus": replicas > 1},
+            "gateway": {"port": 0, "http_port": "any", "max_inflight": 4096},
+        }
+    )
+    start_ray(cfg, verbose=False)
+    with BackgroundServer(cfg) as s:
+        yield f"http://127.0.0.1:{s.http_port}"
+
+
+def server(args, name: str, folder: str):
+    on = {"mode": "vtoken", "policy": args.policy, "budget": args.budget}
+    return {
+        "stock": lambda: stock_server(args, folder),
+        "off": lambda: vtoken_server(args, 1, {"mode": "off"}),
+        "vtoken": lambda: vtoken_server(args, 1, on),
+        "two": lambda: vtoken_server(args, 2, on),
+    }[name]()
+
+
+# ---------------------------------------------------------------------------------------------- client
+def client(args, url: str, folder: str, rate: float, out_dir: str) -> dict[str, Any]:
+    """One run of vLLM's benchmark client; its saved result (vLLM's own field names)."""
+    name = f"client-{time.monotonic_ns()}.json"
+    cmd = [
+        sys.executable, "-m", "vtoken.bench.vllm_client", "--backend", "openai", "--base-url", url,
+        "--model", args.model, "--tokenizer", folder, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed", str(args.seed),
+        "--ignore-eos", "--temperature", "0", "--num-warmups", "2", "--disable-tqdm",
+        "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,90,99",
+        "--goodput", *args.goodput.replace(",", " ").split(),
+        "--save-result", "--result-dir", out_dir, "--result-filename", name,
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+    if r.returncode:
+        raise RuntimeError(f"vLLM's benchmark client failed: {r.stderr[-2000:]}")
+    raw = json.loads((Path(out_dir) / name).read_text())
+    keep = ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput")
+    out = {k: raw.get(k) for k in keep}
+    out.update({k: v for k, v in raw.items() if k.endswith("_ms") and k.split("_")[1] in METRICS})
+    return out
+
+
+def run(args) -> dict:
+    from vtoken.models import model_path
+
+    if args.quick:
+        args.model, args.num_prompts, args.input_len, args.output_len = "tiny-llama", 6, 64, 8
+        args.rates, args.kv_bytes = "4", 4 << 20
+    names = [s for s in args.servers.split(",") if s]
+    bad = sorted(set(names) - set(SERVERS))
+    if bad:
+        raise SystemExit(f"--servers: unknown {bad}; choose from {', '.join(SERVERS)}")
+    rates = [float(r) for r in args.rates.split(",")]
+    # Servers run vLLM as deployed: the EngineCore in a process of its own (`vtoken bench` defaults offline
+    # engines to in-process), in Ray's replicas and in the stock server alike.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    folder = str(model_path(args.model))
+    load_before = os.getloadavg()
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            log(f"[serve] starting {name}")
+            with server(args, name, folder) as url:
+                runs[name] = {}
+                for rate in rates:
+                    log(f"[serve] {name}: {args.num_prompts} requests at {rate}/s")
+                    runs[name][str(rate)] = r = client(args, url, folder, rate, tmp)
+                    log(f"[serve] {name} @ {rate}/s: {r['completed']} ok, {r['failed']} failed, "
+                        f"{r['request_throughput']:.3f} req/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
+                        f"TPOT {r['mean_tpot_ms']:.1f} ms")  # fmt: skip
+    return {
+        "model": args.model,
+        "servers": names,
+        "rates": rates,
+        "sla": args.goodput,
+        "runs": runs,
+        "ratios": ratios(runs),
+        "load": {"cpus": os.cpu_count(), "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0]},
+    }
+
+
+def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each server's figures over stock vLLM's at the same rate (absent without a stock run)."""
+    stock = runs.get("stock")
+    if not stock:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, by_rate in runs.items():
+        for rate, r in by_rate.items():
+            s = stock.get(rate)
+            if s is None or name == "stock":
+                continue
+            keys = ("request_throughput", "request_goodput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                    "median_tpot_ms", "mean_e2el_ms")  # fmt: skip
+            out.setdefault(name, {})[rate] = {k: r[k] / s[k] if r.get(k) and s.get(k) else None for k in keys}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def tables(result: dict) -> list[Table]:
+    rows = []
+    for name in result["servers"]:
+        for rate, r in result["runs"][name].items():
+            q = result["ratios"].get(name, {}).get(rate, {})
+
+            def x(key, q=q):
+                return f" (x{q[key]:.3f})" if q.get(key) else ""
+
+            rows.append(
+                [
+                    name, rate, f"{r['completed']}/{r['completed'] + r['failed']}",
+                    f"{r['request_throughput']:.3f}{x('request_throughput')}",
+                    f"{r['request_goodput'] or 0:.3f}{x('request_goodput')}",
+                    f"{r['mean_ttft_ms']:.0f}{x('mean_ttft_ms')}", f"{r['p99_ttft_ms']:.0f}",
+                    f"{r['mean_tpot_ms']:.1f}{x('mean_tpot_ms')}", f"{r['p99_tpot_ms']:.1f}",
+                    f"{r['mean_itl_ms']:.1f}", f"{r['mean_e2el_ms'] / 1000:.1f}",
+                ]
+            )  # fmt: skip
+    load = result["load"]
+    return [
+        Table(
+            f"vLLM's own benchmark client against stock vLLM and vtoken serve ({result['model']}, same engine "
+            f"settings and KV pool; SLA for goodput: {result['sla']} ms)",
+            [
+                "server",
+                "rate/s",
+                "ok",
+                "req/s",
+                "goodput req/s",
+                "TTFT mean ms",
+                "TTFT p99",
+                "TPOT mean ms",
+                "TPOT p99",
+                "ITL mean ms",
+                "E2E mean s",
+            ],  # fmt: skip
+            rows,
+            "(xN): over stock vLLM at the same rate, in the same run. stock: vLLM's OpenAI server; off: vtoken serve, "
+            "one replica, vToken off; vtoken: the same, vToken on; two: two replicas, vToken on. "
+            f"Load average {load['loadavg_before']:.2f} before, {load['loadavg_after']:.2f} after "
+            f"({load['cpus']} CPUs).",
+        )
+    ]
+
+
+def plot(result: dict, fig) -> None:
+    rates = [str(r) for r in result["rates"]]
+    names = result["servers"]
+    axes = fig.subplots(1, 3)
+    for ax, key, label in zip(
+        axes, ("request_goodput", "mean_ttft_ms", "mean_tpot_ms"), ("goodput req/s", "mean TTFT ms", "mean TPOT ms")
+    ):
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            ys = [result["runs"][name].get(r, {}).get(key) or 0 for r in rates]
+            ax.bar([j + i * width for j in range(len(rates))], ys, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rates))], [f"{r}/s" for r in rates])
+        ax.set(title=label, xlabel="request rate")
+    axes[0].legend()
