@@ -37,7 +37,17 @@ def options_from_proto(o: pb.VTokenOptions) -> dict[str, Any]:
     """The fields a client set in ``VTokenOptions`` as ``request_args`` keywords (unset fields are absent)."""
     out: dict[str, Any] = {
         f: getattr(o, f)
-        for f in ("policy", "budget", "interval", "sink", "recent", "seed", "prefill_evict", "prefill_window")
+        for f in (
+            "policy",
+            "budget",
+            "interval",
+            "sink",
+            "recent",
+            "seed",
+            "prefill_evict",
+            "prefill_window",
+            "evict",
+        )  # fmt: skip
         if o.HasField(f)
     }
     if o.HasField("policy_params"):

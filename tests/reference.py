@@ -5,9 +5,10 @@ A run of a request executes forwards 0, 1, 2, ...: its prefill chunks (``prefill
 prefix-cached tokens; they cover the prompt and, after a preemption, the outputs sampled so far), then one
 decode step per further output token. Row ``i`` of the teacher-forced sequence (prompt + output[:-1]) belongs to
 the forward that computed token ``i``; it may attend key ``k`` iff ``k <= i`` and ``k`` was not evicted at a
-forward ``<=`` its own (``evicted_at_forward``). A preempted request has several runs (``preempted_runs``, then
-the trace's own fields); output token ``j`` is checked against the run that sampled it. Nothing here imports
-vToken.
+forward ``<=`` its own (``evicted_at_forward``), nor parked then (a token parked and restored,
+``restored_positions``, is hidden from the forwards in ``[parked_at_forward, restored_at_forward)``). A
+preempted request has several runs (``preempted_runs``, then the trace's own fields); output token ``j`` is
+checked against the run that sampled it. Nothing here imports vToken.
 """
 
 from __future__ import annotations
@@ -48,7 +49,15 @@ def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0) -> np.n
     if late:
         at = np.where(at <= len(run.get("prefill_chunks") or [0]), at + late, at)
     died[pos] = at
-    return np.tril(np.ones((n_rows, n_rows), dtype=bool)) & (fwd[:, None] < died[None, :])
+    allowed = np.tril(np.ones((n_rows, n_rows), dtype=bool)) & (fwd[:, None] < died[None, :])
+    # Parked, then restored: hidden from the forward that parked them up to the one that restored them.
+    back = np.asarray(run.get("restored_positions", []), dtype=np.int64)
+    if back.size:
+        parked = np.asarray(run["parked_at_forward"], dtype=np.int64)
+        restored = np.asarray(run["restored_at_forward"], dtype=np.int64)
+        hidden = (fwd[:, None] >= parked[None, :]) & (fwd[:, None] < restored[None, :])
+        allowed[:, back] &= ~hidden
+    return allowed
 
 
 def masked_logprobs(model, trace: dict, late: int = 0) -> tuple[np.ndarray, np.ndarray]:

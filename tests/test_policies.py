@@ -59,6 +59,17 @@ def test_scissorhands_counts_persistence_in_its_window():
     assert make_policy("scissorhands", budget=3, sink=0, recent=0, history=64).select(x).tolist() == [1, 4]
 
 
+def test_snapkv_keeps_the_neighbours_of_a_heavy_token_together():
+    w = np.full(21, 0.1)
+    w[10] = 5.0  # one token of a fact drew the window's attention; its neighbours did not
+    w[[2, 18]] = 0.2
+    x = PolicyInput(21, 1, np.arange(21), {ATTN_SUM: w})
+    kept = np.setdiff1d(np.arange(21), make_policy("snapkv", budget=7, sink=0, recent=0, kernel=7).select(x))
+    assert kept.tolist() == list(range(7, 14))  # the whole neighbourhood, not h2o's scattered 0.2s
+    h2o_kept = np.setdiff1d(np.arange(21), make_policy("h2o", budget=7, sink=0, recent=0).select(x))
+    assert {2, 10, 18} <= set(h2o_kept.tolist())
+
+
 def test_random_is_reproducible_and_varies_with_step_and_seed():
     p = make_policy("random", budget=0.5, sink=0, recent=0, seed=1)
     a, b = p.select(inp(64, step=1)), p.select(inp(64, step=2))
@@ -94,7 +105,7 @@ def test_score_every_is_for_attention_policies_only():
 
 
 def test_unknown_policy():
-    with pytest.raises(ValueError, match="known: h2o, random, scissorhands, streaming"):
+    with pytest.raises(ValueError, match="known: h2o, random, scissorhands, snapkv, streaming"):
         make_policy("lru")
 
 

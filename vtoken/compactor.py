@@ -23,7 +23,20 @@ after a preemption, the prompt and the outputs so far); after that, every forwar
   * at decode step s (the s-th output token has been sampled), every ``interval`` steps, as before.
 A policy that needs attention statistics evicts only with statistics from the forward just run: a decode
 query, or the observation window (the last ``window`` queries) of the chunk just computed. A policy with
-``score_every`` = k > 1 has only every k-th decode step observed, so it evicts only after those.
+``score_every`` = k > 1 has only every k-th decode step observed, so it evicts only after those. These timing
+rules live in one place, vtoken/schedule.py.
+
+Two options change the rules:
+  * parking (``tier``, vtoken/park.py): what a chunk boundary drops waits in a second tier outside the pool;
+    at the boundary after the last chunk the survivors are chosen among live and parked tokens together, by
+    the last chunk's window (the question), and parked survivors come back;
+  * ``pressure``: the budget is a floor, not a target. A request keeps every token until the pool runs short
+    (``plan_step``'s ``shortfall``: blocks the running and waiting requests need beyond the free ones); then
+    requests shed, one at a time, until the shortfall is covered. A request that sheds keeps to its budget from
+    then on (today's rule), so its peak is bounded from its first shed on. Order: requests that have read their
+    prompt first (their statistics have seen the question), then those still reading it (with parking what
+    they shed is parked); within each, the one holding most above its budget first (fewest requests lose
+    tokens).
 """
 
 from __future__ import annotations
@@ -35,9 +48,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vtoken.mover import MoveBatch
+from vtoken.park import Parked, TierSlots
 from vtoken.planner import plan_compaction, to_global_slots
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord
+from vtoken.schedule import Schedule
 from vtoken.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
@@ -57,12 +72,19 @@ class ScoreAsk(NamedTuple):
 
     queries: int  # how many of the forward's last queries to score (1 for a decode step)
     export: tuple[str, ...]  # statistics to send back after the forward (empty: keep accumulating)
+    parked: np.ndarray | None = None  # tier slots scored with the live keys in one softmax (the last chunk)
+
+
+def _none() -> MoveBatch:
+    return MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 class StepPlan(NamedTuple):
     moves: MoveBatch  # global slots, all requests, one gather-then-scatter
     keep_blocks: dict[str, int]  # request -> blocks it keeps (its list was truncated)
     gaps: dict[str, int]  # request -> logical - physical length, where it changed
+    park: MoveBatch = _none()  # pool slot -> tier slot, read before this step's moves
+    restore: MoveBatch = _none()  # tier slot -> pool slot, written after this step's moves
 
 
 class CompactorError(RuntimeError):
@@ -85,8 +107,11 @@ class RequestState:
     prefill_len: int  # tokens to compute before the first new output token
     prefill_evict: bool
     window: int  # prefill observation window (queries)
+    schedule: Schedule = Schedule()  # when it may evict (vtoken/schedule.py)
     ballast: list = field(default_factory=list)  # naive mode: blocks held as Naive-Evict would
     stats: dict[str, np.ndarray] | None = None  # from the last forward that exported them, per physical slot
+    parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
+    shedding: bool = True  # False in pressure mode until it sheds once; then it keeps to its budget (today's rule)
     gap_sent: int = 0
     dirty: bool = False
     compacted_at: int = -1  # the step of its last compaction: at most one per step (the moves of a step are
@@ -107,13 +132,21 @@ class RequestState:
 
 
 class Compactor:
-    def __init__(self, mode: str, block_size: int, pool: Any, blocks_of: Callable[[str], list]) -> None:
+    """``tier``: the parking tier's slots (None: no parking). A request added with ``pressure`` evicts only when
+    ``plan_step`` is told the pool runs short (see the module docstring)."""
+
+    def __init__(
+        self, mode: str, block_size: int, pool: Any, blocks_of: Callable[[str], list], tier: TierSlots | None = None
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
+        self.tier = tier
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
         self.step = 0
+        self._park: list[MoveBatch] = []  # this step's park and restore moves
+        self._restore: list[MoveBatch] = []
 
     # ---------------------------------------------------------------- request life
     def add(
@@ -124,10 +157,15 @@ class Compactor:
         prefill_len: int,
         prefill_evict: bool = True,
         window: int = 32,
+        pressure: bool = False,
     ) -> RequestState:
         if request_id in self.states:
             raise CompactorError(f"request {request_id} added twice")
-        st = RequestState(request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window)
+        schedule = Schedule.of(policy, prefill_evict, window, eager=pressure)
+        st = RequestState(
+            request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule
+        )
+        st.shedding = not pressure  # "always": keeps to its budget from the start
         self.states[request_id] = st
         return st
 
@@ -137,6 +175,9 @@ class Compactor:
         st = self.states.pop(request_id, None)
         if st is None:
             return None
+        if st.parked.size:  # preempted (or ended) while reading its prompt: its parked tokens are gone
+            self.tier.give(st.parked.tier)
+            st.parked.clear()
         if finished:
             st.record.finish(st.table, len(self.blocks_of(request_id)), len(st.ballast))
             self.totals.add_finished(st.record)
@@ -154,25 +195,66 @@ class Compactor:
             st.stats = stats
 
     # ---------------------------------------------------------------- before vLLM schedules
-    def plan_step(self, progress: Iterable[Progress]) -> StepPlan:
+    def plan_step(self, progress: Iterable[Progress], shortfall: int = 0) -> StepPlan:
+        """``shortfall`` (pressure mode): blocks the running and waiting requests need beyond the free ones."""
         self.step += 1
-        moves, keep, gaps = [], {}, {}
+        moves, keep = [], {}
+        self._park, self._restore = [], []
         todo = [(p, self.states[p.request_id]) for p in progress if p.request_id in self.states]
+        fresh = {}  # statistics are used by the decision that follows them, once
         for p, st in todo:
             self._sync(st, p.num_computed)
-            stats, st.stats = st.stats, None  # statistics are used by the decision that follows them, once
-            victims = self._decide(st, p.num_output, stats)
-            if victims.size == 0:
-                continue
-            batch, keep[st.request_id] = self.evict(st, victims, step=0 if st.in_prefill else p.num_output)
-            moves.append(batch)
+            fresh[st.request_id], st.stats = st.stats, None
+        for p, st in todo:
+            stats = fresh[st.request_id]
+            if st.parked.size and not st.in_prefill:
+                batch = self._choose_with_parked(st, stats)
+            elif not st.shedding:
+                continue  # pressure mode: keeps every token until the pool runs short
+            else:
+                batch = self._evict_by_policy(st, p, stats)
+            if batch is not None:
+                moves.append(batch)
+                keep[st.request_id] = len(self.blocks_of(st.request_id))
+        if shortfall > 0:
+            for p, st in self._shedding_order(todo, fresh):
+                if shortfall <= 0:
+                    break
+                before = len(self.blocks_of(st.request_id))
+                st.shedding = True
+                st.record.shed_at = st.record.forwards
+                batch = self._evict_by_policy(st, p, fresh[st.request_id], shed=True)
+                if batch is not None:
+                    moves.append(batch)
+                    keep[st.request_id] = len(self.blocks_of(st.request_id))
+                    shortfall -= before - keep[st.request_id]
+        gaps = {}
+        for _, st in todo:
             if st.gap != st.gap_sent:
                 gaps[st.request_id] = st.gap_sent = st.gap
         if self.mode == "naive":
             for p, st in todo:
                 self._settle_ballast(st, p.next_tokens)
-        batch = MoveBatch.concat(moves)
-        return StepPlan(batch, keep, gaps)
+        return StepPlan(MoveBatch.concat(moves), keep, gaps, MoveBatch.concat(self._park),
+                        MoveBatch.concat(self._restore))  # fmt: skip
+
+    def _evict_by_policy(self, st: RequestState, p: Progress, stats, shed: bool = False) -> MoveBatch | None:
+        victims = self._decide(st, p.num_output, stats, shed)
+        if victims.size == 0:
+            return None
+        park = self.tier is not None and st.in_prefill and bool(st.policy.needs)
+        return self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
+
+    def _shedding_order(self, todo, fresh) -> list[tuple[Progress, RequestState]]:
+        """Requests that may shed, in the order they do (module docstring): not yet shedding, over their budget,
+        and (attention policies) with statistics from the forward just run."""
+        out = []
+        for p, st in todo:
+            n = st.table.num_logical
+            if st.shedding or st.table.num_live <= st.keep(n) or (st.policy.needs and fresh[st.request_id] is None):
+                continue
+            out.append((st.in_prefill, -(st.table.num_live - st.keep(n)), st.request_id, p, st))
+        return [(p, st) for *_, p, st in sorted(out, key=lambda t: t[:3])]
 
     def _sync(self, st: RequestState, num_computed: int) -> None:
         new = num_computed - st.table.num_logical
@@ -184,14 +266,15 @@ class Compactor:
         if new:
             st.table.append(new)
 
-    def _decide(self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None) -> np.ndarray:
+    def _decide(
+        self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None, shed: bool = False
+    ) -> np.ndarray:
         none = np.empty(0, dtype=np.int64)
-        if st.table.num_logical == 0:
+        step = st.schedule.step_at(st.table.num_logical, st.prefill_len, num_output)
+        if step is None:
             return none
-        if st.in_prefill and not st.prefill_evict:
-            return none
-        # A chunk boundary, the one after the last chunk included: the interval counts decode steps only.
-        step = 0 if st.prefill_evict and st.table.num_logical <= st.prefill_len else num_output
+        if shed:
+            step = 0  # shedding is not bound to the interval: the pool is short now
         policy = st.policy
         if policy.needs and stats is None:
             return none
@@ -219,28 +302,46 @@ class Compactor:
             return None
         return st.table.slot_of[live] < n * self.bs
 
-    def evict(self, st: RequestState, victims: np.ndarray, step: int = 0) -> tuple[MoveBatch, int]:
+    def evict(self, st: RequestState, victims: np.ndarray, step: int = 0, park: bool = False) -> tuple[MoveBatch, int]:
         """Kill ``victims`` (logical positions), pack the survivors, shrink the block list, free what emptied.
         Returns the moves (global slots) and the blocks the request keeps. Used by ``plan_step``, and directly by
-        tests that choose victims themselves."""
+        tests that choose victims themselves. ``park``: victims go to the tier while it has room (their pool
+        slots are read before this step's moves), the rest die."""
+        return self._compact(st, victims, step, park)
+
+    def _compact(
+        self, st: RequestState, victims: np.ndarray, step: int, park: bool, restore: np.ndarray | None = None
+    ) -> tuple[MoveBatch, int]:
         if st.compacted_at == self.step:
             raise CompactorError(f"request {st.request_id} compacted twice in step {self.step}")
         st.compacted_at = self.step
-        holes = st.table.kill(victims)
-        st.record.record_deaths(victims, step)
-        self.totals.tokens_evicted += len(victims)
-        st.dirty = True
         blocks = self.blocks_of(st.request_id)
         ids = [b.block_id for b in blocks]
+        holes = st.table.kill(victims)
+        tier = self.tier.take(len(victims)) if park else np.empty(0, np.int64)
+        if tier.size:  # parked: hidden from the next forward on, kept in the tier
+            st.parked.add(victims[: tier.size], tier, st.record.forwards)
+            self._park.append(MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier))
+            self.totals.tokens_parked += int(tier.size)
+        st.record.record_deaths(victims[tier.size :], step)
+        self.totals.tokens_evicted += len(victims) - int(tier.size)
+        st.dirty = True
         plan = plan_compaction(st.table.physical_live_mask(), ids, self.bs, self._protected_blocks(st))
         # A block that lost or gained tokens must never be offered as a prefix-cache hit again
         # (vLLM: BlockPool.evict_blocks drops the hash and keeps the block).
         touched = np.unique(np.concatenate([holes, plan.src, plan.dst]) // self.bs)
         self.pool.evict_blocks({ids[i] for i in touched.tolist()})
         st.table.apply_moves(plan.src, plan.dst, plan.physical_len)
+        kept = plan.keep_blocks
+        if restore is not None and restore.size:  # parked survivors come back right after the packed survivors
+            slots = np.arange(plan.physical_len, plan.physical_len + restore.size)
+            st.table.revive(st.parked.logical[restore], slots)
+            self._restore.append(MoveBatch(st.parked.tier[restore], to_global_slots(slots, ids, self.bs)))
+            st.record.record_restored(st.parked.logical[restore], st.parked.at_forward[restore])
+            kept = -(-st.table.physical_len // self.bs)
         # Blocks past the packed length are empty now; the engine adds back the block the next token needs.
-        freed = blocks[plan.keep_blocks :]
-        del blocks[plan.keep_blocks :]
+        freed = blocks[kept:]
+        del blocks[kept:]
         if freed:
             if self.mode == "naive":
                 st.ballast.extend(freed)  # settled against Naive-Evict in plan_step
@@ -250,7 +351,50 @@ class Compactor:
         st.record.tokens_moved += plan.num_moves
         self.totals.tokens_moved += plan.num_moves
         batch = MoveBatch(to_global_slots(plan.src, ids, self.bs), to_global_slots(plan.dst, ids, self.bs))
-        return batch, plan.keep_blocks
+        return batch, kept
+
+    def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
+        """The boundary after the last chunk of a request with parked tokens: the policy chooses among live and
+        parked tokens by the last chunk's window over both (its ``parked:<name>`` statistics); live losers die,
+        parked winners come back into the slots the packing frees, parked losers are freed for good (evicted
+        from the forward that parked them). Without those statistics (not expected) every parked token is
+        freed and the live ones are judged as without parking."""
+        parked = st.parked
+        names = st.policy.needs
+        if stats is None or any(f"parked:{n}" not in stats for n in names):
+            self._discard(st, np.arange(parked.size))
+            return None
+        live = st.table.live_logical()
+        slots = st.table.slot_of[live]
+        everyone = np.concatenate([live, parked.logical])
+        order = np.argsort(everyone, kind="stable")
+        named = {n: np.concatenate([stats[n][slots], stats[f"parked:{n}"]])[order] for n in names}
+        protected = self._protected(st, live)
+        if protected is not None:
+            protected = np.concatenate([protected, np.zeros(parked.size, bool)])[order]
+        inp = PolicyInput(st.table.num_logical, 0, everyone[order], named, protected, st.record.seed)
+        victims = st.policy.select(inp)
+        is_parked = np.isin(parked.logical, victims)
+        lose = np.flatnonzero(is_parked)
+        win = np.flatnonzero(~is_parked)
+        room = len(self.blocks_of(st.request_id)) * self.bs - (live.size - int(np.isin(live, victims).sum()))
+        lose, win = np.concatenate([lose, win[room:]]), win[:room]  # (never expected: room for every winner)
+        self._discard(st, lose)
+        dead = victims[~np.isin(victims, parked.logical)]
+        batch, _ = self._compact(st, dead, 0, park=False, restore=win)
+        self.tier.give(parked.tier[win])
+        parked.clear()
+        return batch
+
+    def _discard(self, st: RequestState, which: np.ndarray) -> None:
+        """Parked tokens freed for good: evicted, in the trace, from the forward that parked them."""
+        p = st.parked
+        if which.size:
+            st.record.record_deaths(p.logical[which], 0, at_forward=p.at_forward[which])
+            self.totals.tokens_evicted += int(which.size)
+            self.tier.give(p.tier[which])
+        if which.size == p.size:
+            p.clear()
 
     def _settle_ballast(self, st: RequestState, writing: int) -> None:
         """Naive mode: hold exactly the blocks Naive-Evict would hold beyond what the packed layout needs, for
@@ -282,21 +426,18 @@ class Compactor:
         naive = table.naive_blocks(new_tokens)
         bound = -(-(st.keep(before) + new_tokens) // self.bs) + 1
         st.record.forward(new_tokens, prefill, held, naive, -(-(live + new_tokens) // self.bs), bound)
-        policy = st.policy
+        policy, sched = st.policy, st.schedule
         if not policy.needs:
             return None
-        if not prefill:  # decode: accumulate every step, send back when the next step may evict
-            step = num_output + 1  # the decode step this forward completes
-            if step % policy.score_every:  # opt-in: one step in score_every observed; no statistics, no eviction
-                return None
-            return ScoreAsk(1, policy.needs if step % policy.interval == 0 else ())
-        if not st.prefill_evict:
-            return None
-        # Score the chunk's observation window only if the boundary after it may evict.
-        step_after = 0 if num_computed_after <= st.prefill_len else num_output + 1
-        if step_after % policy.interval or live + new_tokens <= policy.target(num_computed_after):
-            return None
-        return ScoreAsk(min(st.window, new_tokens), policy.needs)
+        if not prefill:  # decode: accumulate every observed step, send back when the next step may evict
+            observe, export = sched.decode_ask(num_output + 1)  # the decode step this forward completes
+            return ScoreAsk(1, policy.needs if export else ()) if observe else None
+        over = live + new_tokens > policy.target(num_computed_after)
+        queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, num_output, over)
+        if st.parked.size and num_computed_after >= st.prefill_len:
+            # The last chunk: its window (the question) is scored over live and parked keys in one softmax.
+            return ScoreAsk(min(st.window, new_tokens), policy.needs, st.parked.tier.copy())
+        return ScoreAsk(queries, policy.needs) if queries else None
 
     # ---------------------------------------------------------------- observability
     def pool_totals(self) -> tuple[int, int, int]:
@@ -328,3 +469,6 @@ class Compactor:
                 raise CompactorError(f"{rid}: a ballast block is also in its block list")
         if moves is not None:
             moves.check()
+        if self.tier is not None:
+            self.tier.check_integrity(np.concatenate([np.empty(0, np.int64)] + [
+                st.parked.tier for st in self.states.values()]))  # fmt: skip

@@ -16,8 +16,11 @@ logger = logging.getLogger(__name__)
 CONFIG_KEY = "vtoken"
 # What one request may choose for itself, in ``SamplingParams(extra_args={"vtoken": {...}})``.
 REQUEST_KEYS = frozenset(
-    {"policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window"}
-)
+    {
+        "policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window",
+        "evict",
+    }
+)  # fmt: skip
 
 
 class VTokenConfig(BaseModel):
@@ -30,7 +33,7 @@ class VTokenConfig(BaseModel):
         description="off: stock vLLM. naive: evict tokens but hold every block that still has a live "
         "token at its original position (the Naive-Evict baseline). vtoken: evict and repack, freeing blocks.",
     )
-    policy: str = Field("h2o", description="eviction policy: h2o, scissorhands, random, streaming")
+    policy: str = Field("h2o", description="eviction policy: h2o, scissorhands, snapkv, random, streaming")
     budget: float = Field(
         0.5, allow_inf_nan=False, description="live tokens kept per request: a ratio (< 1) of the context, or a count"
     )
@@ -52,6 +55,23 @@ class VTokenConfig(BaseModel):
         ge=1,
         description="h2o/scissorhands with prefill_evict: queries at the end of each prefill chunk whose "
         "attention seeds the statistics (SnapKV's observation window)",
+    )
+    evict: Literal["always", "pressure"] = Field(
+        "always",
+        description="always: every request keeps to its budget (evicting between prefill chunks with "
+        "prefill_evict). pressure: the budget is a floor, not a target: a request keeps every token while the pool "
+        "holds what runs and what waits (with pressure_watermark); when it runs short, requests shed to their "
+        "budget, one at a time, until it does not (those that have read their prompt first)",
+    )
+    pressure_watermark: float = Field(
+        0.02, ge=0, lt=1, description="evict: pressure: the share of the pool's blocks kept free on top of the demand"
+    )
+    park_tokens: int = Field(
+        0,
+        ge=0,
+        description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "
+        "drops waits there, and the tokens kept at the end of the prompt are chosen among live and parked ones by "
+        "the last chunk's window (the question); h2o and scissorhands. 0: no tier (what a boundary drops is lost)",
     )
     prefill_chunk: int | None = Field(
         None,

@@ -21,7 +21,7 @@ MODES = ("off", "naive", "vtoken")
 def add_cli(sub) -> None:
     p = sub.add_parser("demo", help="serve real prompts on SmolLM2 with off / naive / vtoken, side by side")
     p.add_argument("--model", default="smollm2-135m", help="a prepared model (vtoken models list)")
-    p.add_argument("--policy", default="h2o", help="eviction policy: h2o, scissorhands, random, streaming")
+    p.add_argument("--policy", default="h2o", help="eviction policy: h2o, scissorhands, snapkv, random, streaming")
     p.add_argument("--budget", type=float, default=0.25, help="live tokens kept: ratio < 1 or a token count")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (vLLM on CPU: a multiple of 32)")
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")

@@ -36,6 +36,10 @@ class RequestRecord:
     died_pos: list[np.ndarray] = field(default_factory=list)
     died_step: list[np.ndarray] = field(default_factory=list)
     died_forward: list[np.ndarray] = field(default_factory=list)
+    restored_pos: list[np.ndarray] = field(default_factory=list)  # parked, then back in the pool (vtoken/park.py)
+    restored_parked_at: list[np.ndarray] = field(default_factory=list)  # the first forward that did not see them
+    restored_at: list[np.ndarray] = field(default_factory=list)  # the first forward that saw them again
+    shed_at: int = -1  # pressure mode: the forward before which it shed first (-1: never)
     tokens_moved: int = 0
     steps: int = 0  # decode forwards
     sum_retained: int = 0
@@ -48,12 +52,20 @@ class RequestRecord:
     logprobs: list[float] | None = None  # the sampled tokens' log-probabilities, when the request asked
     final: dict[str, Any] | None = None
 
-    def record_deaths(self, logical: np.ndarray, step: int) -> None:
-        """``logical`` died before forward ``self.forwards`` (decode step ``step``; 0 during the prefill)."""
+    def record_deaths(self, logical: np.ndarray, step: int, at_forward: np.ndarray | None = None) -> None:
+        """``logical`` died before forward ``self.forwards`` (decode step ``step``; 0 during the prefill), or before
+        ``at_forward`` (parked tokens freed for good: the forward that parked them)."""
         n = len(logical)
         self.died_pos.append(np.asarray(logical, dtype=np.int64))
         self.died_step.append(np.full(n, step, dtype=np.int64))
-        self.died_forward.append(np.full(n, self.forwards, dtype=np.int64))
+        at = np.full(n, self.forwards, dtype=np.int64) if at_forward is None else np.asarray(at_forward, np.int64)
+        self.died_forward.append(at)
+
+    def record_restored(self, logical: np.ndarray, parked_at: np.ndarray) -> None:
+        """Parked ``logical`` tokens come back: forwards ``parked_at`` .. ``self.forwards - 1`` did not see them."""
+        self.restored_pos.append(np.asarray(logical, dtype=np.int64))
+        self.restored_parked_at.append(np.asarray(parked_at, dtype=np.int64))
+        self.restored_at.append(np.full(len(logical), self.forwards, dtype=np.int64))
 
     def forward(self, new_tokens: int, prefill: bool, retained: int, naive: int, floor: int, bound: int) -> None:
         """A forward of ``new_tokens`` tokens runs now, with the request holding ``retained`` blocks."""
@@ -108,6 +120,12 @@ class RequestRecord:
             "prefix_cached_tokens": self.prefix_cached,
             "blocks_per_forward": list(self.forward_blocks),
         }
+        if self.restored_pos:  # hidden from forward parked_at_forward up to restored_at_forward (excluded)
+            out["restored_positions"] = cat(self.restored_pos)
+            out["parked_at_forward"] = cat(self.restored_parked_at)
+            out["restored_at_forward"] = cat(self.restored_at)
+        if self.shed_at >= 0:
+            out["shed_at_forward"] = self.shed_at
         if self.earlier:
             out["preempted_runs"] = list(self.earlier)
         if self.logprobs is not None:
@@ -124,6 +142,7 @@ class EngineTotals:
     bytes_moved: int = 0
     tokens_moved: int = 0
     tokens_evicted: int = 0
+    tokens_parked: int = 0  # tokens a chunk boundary sent to the tier (restored or freed later)
     blocks_freed: int = 0
     preemptions: int = 0
     preemptions_in_prefill: int = 0
@@ -149,6 +168,7 @@ class EngineTotals:
             "bytes_moved": self.bytes_moved,
             "tokens_moved": self.tokens_moved,
             "tokens_evicted": self.tokens_evicted,
+            "tokens_parked": self.tokens_parked,
             "blocks_freed": self.blocks_freed,
             "preemptions_seen": self.preemptions,
             "preemptions_in_prefill": self.preemptions_in_prefill,

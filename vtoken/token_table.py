@@ -17,7 +17,8 @@ needed only when a compaction is planned or applied, never on the per-step path.
 
 Invariants (``check_integrity``):
   * live slots are distinct and lie in ``[0, physical_len)``;
-  * tokens never come back to life: evicted entries stay -1;
+  * a token comes back to life only through ``revive`` (a parked token restored from the second tier, see
+    vtoken/park.py); otherwise evicted entries stay -1;
   * ``block_live[b]`` counts the live tokens among logical positions ``[b * block_size, (b + 1) * block_size)``.
 """
 
@@ -161,6 +162,28 @@ class TokenTable:
         self._num_live -= logical.size
         np.subtract.at(self._block_live, logical // self.block_size, 1)
         return slots
+
+    def revive(self, logical: np.ndarray, slots: np.ndarray) -> None:
+        """Bring evicted tokens back at free physical ``slots`` (a parked token restored into the pool); the
+        physical length grows to cover them. Reviving a live token or filling an occupied slot is an error."""
+        logical = np.asarray(logical, dtype=np.int64).ravel()
+        slots = np.asarray(slots, dtype=np.int64).ravel()
+        if logical.size != slots.size:
+            raise TokenTableError(f"revive: {logical.size} tokens for {slots.size} slots")
+        if logical.size == 0:
+            return
+        if logical.min() < 0 or logical.max() >= self._num_logical or slots.min() < 0:
+            raise TokenTableError("revive out of range")
+        if (self._slot_of[logical] >= 0).any() or np.unique(logical).size != logical.size:
+            raise TokenTableError("revive of a live token, or of one token twice")
+        taken = self.physical_live_mask()
+        inside = slots[slots < taken.size]
+        if taken[inside].any() or np.unique(slots).size != slots.size:
+            raise TokenTableError("revive into an occupied slot")
+        self._slot_of[logical] = slots
+        self._num_live += logical.size
+        np.add.at(self._block_live, logical // self.block_size, 1)
+        self._physical_len = max(self._physical_len, int(slots.max()) + 1)
 
     def apply_moves(self, src: np.ndarray, dst: np.ndarray, physical_len: int | None = None) -> None:
         """Record that the KV of slot ``src[i]`` now lives at ``dst[i]`` (moves happen simultaneously).

@@ -1,6 +1,6 @@
 """Eviction policies: where a token's life is decided. Importing this package registers them all."""
 
-from vtoken.policies import h2o, random_policy, scissorhands, streaming  # noqa: F401  (registration)
+from vtoken.policies import h2o, random_policy, scissorhands, snapkv, streaming  # noqa: F401  (registration)
 from vtoken.policies.base import ATTN_HIST, ATTN_SUM, EvictionPolicy, PolicyInput
 from vtoken.policies.registry import POLICIES, get_policy_class, make_policy, policy_params, register
 

@@ -22,6 +22,11 @@ class VTokenStep:
     gaps: dict[str, int] = field(default_factory=dict)  # req -> logical - physical length (changes only)
     observe: dict[str, int] = field(default_factory=dict)  # req -> how many of this forward's last queries to score
     export: dict[str, tuple[str, ...]] = field(default_factory=dict)  # req -> statistics to send back after it
+    # Parking (vtoken/park.py): pool -> tier before the moves, tier -> pool after them; and the last chunks whose
+    # window is scored over live and parked keys together: req -> its tier slots.
+    park: MoveBatch = field(default_factory=lambda: MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
+    restore: MoveBatch = field(default_factory=lambda: MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
+    joint: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 
 from vtoken.config import VTokenConfig
 from vtoken.mover import make_mover
+from vtoken.tier import KVTier
 from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
@@ -36,6 +37,8 @@ class VTokenRunnerMixin:
         self.vt_export_len: dict[str, int] = {}
         self.vt_mover = None
         self.vt_scorer: scores_mod.AttentionScorer | None = None
+        self.vt_tier: KVTier | None = None  # parking's second tier (vtoken/tier.py)
+        self.vt_joint: dict[str, np.ndarray] = {}
         self.vt_move_seconds = 0.0
         self.vt_bytes_moved = 0
         self.vt_tp = TensorParallel.current()  # a world of one without tensor parallelism
@@ -55,7 +58,10 @@ class VTokenRunnerMixin:
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
             self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
-            scores_mod.install(forward_context, self.vt_scorer)
+            if self.vt.park_tokens:
+                self.vt_tier = KVTier(self.vt.park_tokens, self.kv_caches, layout, bs, spec.head_size,
+                                      self.vt_scorer.extra_tensors, self.vt_tp)  # fmt: skip
+            scores_mod.install(forward_context, scores_mod.Observers(self.vt_scorer, self.vt_tier))
         # CUDA: bind the fused mover to the caches once (fixed addresses) and make each layer wait for its moves
         extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
         move_waits.install(forward_context, self.vt_mover, self.kv_caches, extra)
@@ -71,9 +77,18 @@ class VTokenRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _vt_apply(self, step: VTokenStep, so) -> None:
+        tier, extra = self.vt_tier, (self.vt_scorer.extra_tensors if self.vt_scorer else [])
+        if tier is not None:  # every source is read before any destination is written (vtoken/tier.py)
+            fetched = tier.fetch(step.restore)
+            tier.park(self.kv_caches, extra, step.park)
         if len(step.moves):
             self._vt_move(step)
             self._vt_order_moves(so)
+        if tier is not None and len(step.restore):  # restored tokens land in slots the moves emptied: last
+            if hasattr(self.vt_mover, "wait"):
+                self.vt_mover.wait()
+            tier.restore(self.kv_caches, extra, step.restore, fetched)
+        self.vt_joint = step.joint
         for rid, keep in step.keep_blocks.items():
             self._vt_set_blocks(rid, lambda ids, keep=keep: ids[:keep])
         self.vt_gaps.update(step.gaps)
@@ -143,6 +158,8 @@ class VTokenRunnerMixin:
             self.vt_scorer.begin_step(
                 np.array([p[0] for p in picked], np.int64), np.array([p[1] for p in picked], np.int64)
             )
+            if self.vt_tier is not None:
+                self.vt_tier.begin([(rows[r], observe[r], t) for r, t in self.vt_joint.items() if r in rows])
             # Physical length of each exported request once this forward has written its tokens.
             computed = self.input_batch.num_computed_tokens_cpu
             self.vt_export_len = {
@@ -164,10 +181,14 @@ class VTokenRunnerMixin:
         scorer = self.vt_scorer
         if scorer is not None:
             scorer.end_step()
+            if self.vt_tier is not None:
+                self.vt_tier.end(scorer)  # the last chunks' joint windows replace their live slots' statistics
             for rid, length in self.vt_export_len.items():
                 state = self.requests.get(rid)
                 if state is not None:
                     vt.stats[rid] = scorer.export(state.block_ids[0], length, self.vt_export[rid])
+                    if rid in self.vt_joint:
+                        vt.stats[rid].update(self.vt_tier.export(self.vt_joint[rid], self.vt_export[rid]))
         target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
         if target is not None:
             target.vtoken = vt

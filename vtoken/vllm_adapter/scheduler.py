@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vtoken.compactor import Compactor, Progress, StepPlan
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
+from vtoken.park import TierSlots
 from vtoken.pool_report import PoolReport
 from vtoken.records import RequestRecord
 from vtoken.replay import request_seed
@@ -53,9 +55,13 @@ class VTokenScheduler(Scheduler):
         self.vt_pool = self.kv_cache_manager.block_pool
         self.vt_bs = self.vt_manager.block_size
         # vllm/v1/core/single_type_kv_cache_manager.py: req_to_blocks[rid] is the request's block list.
-        self.vt_core = Compactor(self.vt.mode, self.vt_bs, self.vt_pool, lambda rid: self.vt_manager.req_to_blocks[rid])
+        tier = TierSlots(self.vt.park_tokens) if self.vt.park_tokens else None
+        self.vt_core = Compactor(
+            self.vt.mode, self.vt_bs, self.vt_pool, lambda rid: self.vt_manager.req_to_blocks[rid], tier
+        )
         sc = vllm_config.scheduler_config
         self.vt_chunk = sc.long_prefill_token_threshold or sc.max_num_batched_tokens
+        self.vt_step_tokens, self.vt_max_seqs = sc.max_num_batched_tokens, sc.max_num_seqs
         # Preempted requests waiting to resume: (their earlier runs' traces, logprobs so far)
         self.vt_resume: dict[str, tuple[list[dict], list[float] | None]] = {}
         self.vt_trace = open(self.vt.trace_path, "a") if self.vt.trace_path else None  # noqa: SIM115 - engine life
@@ -100,7 +106,7 @@ class VTokenScheduler(Scheduler):
         """Mirror of vllm/v1/core/sched/scheduler.py Scheduler.schedule: evict and compact first, then record
         what vLLM scheduled."""
         t0 = time.perf_counter()
-        plan = self._vt_before_schedule(self.vt_core.plan_step(self._progress()))
+        plan = self._vt_before_schedule(self.vt_core.plan_step(self._progress(), self._shortfall()))
         cached = self.vt_manager.num_cached_block  # blocks of each request already hashed into the prefix cache
         for rid, keep in plan.keep_blocks.items():
             if rid in cached:
@@ -108,7 +114,7 @@ class VTokenScheduler(Scheduler):
         t1 = time.perf_counter()
         out = super().schedule(*args, **kwargs)
         t2 = time.perf_counter()
-        step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps)
+        step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore)
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests[rid]
             if rid not in self.vt_core.states:
@@ -118,6 +124,8 @@ class VTokenScheduler(Scheduler):
                 step.observe[rid] = ask.queries
                 if ask.export:
                     step.export[rid] = ask.export
+                if ask.parked is not None:
+                    step.joint[rid] = ask.parked
         totals = self.vt_core.totals
         totals.peak_running = max(totals.peak_running, len(self.running))
         totals.compaction_seconds += (t1 - t0) + (time.perf_counter() - t2)
@@ -127,6 +135,31 @@ class VTokenScheduler(Scheduler):
     def _vt_before_schedule(self, plan: StepPlan) -> StepPlan:
         """Hook between the compaction plan and vLLM's scheduling (the testing scheduler relocates here)."""
         return plan
+
+    def _shortfall(self) -> int:
+        """Pressure mode: the blocks that the running requests' next forwards and the waiting requests' first
+        chunks need, plus the watermark, beyond the free ones (0 when no running request is in pressure mode).
+        Mirrors what vllm/v1/core/sched/scheduler.py Scheduler.schedule will ask of the pool: running requests
+        first, then waiting ones while there are sequences and tokens to spare this step."""
+        states = self.vt_core.states
+        if all(st.shedding for st in states.values()):
+            return 0
+        bs, need, tokens = self.vt_bs, 0, 0
+        for r in self.running:
+            st = states.get(r.request_id)
+            left = r.num_tokens - r.num_computed_tokens
+            new = min(left, self.vt_chunk) if left > 0 else 1
+            physical = r.num_computed_tokens - (st.gap if st is not None else 0) + new
+            need += max(-(-physical // bs) - len(self.vt_manager.req_to_blocks.get(r.request_id, ())), 0)
+            tokens += new
+        for i, r in enumerate(self.waiting):
+            if len(self.running) + i >= self.vt_max_seqs or tokens >= self.vt_step_tokens:
+                break
+            new = min(r.num_tokens - r.num_computed_tokens, self.vt_chunk, self.vt_step_tokens - tokens)
+            need += -(-new // bs)
+            tokens += new
+        watermark = math.ceil(self.vt.pressure_watermark * (self.vt_pool.num_gpu_blocks - 1))
+        return need + watermark - self.vt_pool.get_num_free_blocks()
 
     def _progress(self) -> list[Progress]:
         states = self.vt_core.states
@@ -170,6 +203,7 @@ class VTokenScheduler(Scheduler):
             prefill_len=request.num_tokens,
             prefill_evict=opts.prefill_evict,
             window=opts.prefill_window,
+            pressure=opts.evict == "pressure",
         )
 
     def _policy_for(self, request):

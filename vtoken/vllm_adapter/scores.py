@@ -17,7 +17,19 @@ import torch
 
 from vtoken.scores import AttentionScorer
 
-__all__ = ["AttentionScorer", "install"]
+__all__ = ["AttentionScorer", "Observers", "install"]
+
+
+class Observers:
+    """Several observers of every attention layer (the scorer, parking's joint window), called in order."""
+
+    def __init__(self, *observers) -> None:
+        self.observers = [o for o in observers if o is not None]
+
+    def observe(self, query, kv_cache, attn_metadata, scale: float) -> None:
+        for o in self.observers:
+            o.observe(query, kv_cache, attn_metadata, scale)
+
 
 # A full CUDA graph would replay attention without calling the hook (and the hook allocates): engine_kwargs keeps
 # graphs piecewise when a scorer runs, so attention runs eagerly between captured pieces; this says so if not.
@@ -27,7 +39,7 @@ CAPTURED = (
 )
 
 
-def install(attention_layers: dict, scorer: AttentionScorer) -> int:
+def install(attention_layers: dict, scorer: AttentionScorer | Observers) -> int:
     """Wrap every attention layer's impl.forward so the scorer sees its query and KV cache."""
     n = 0
     for layer in attention_layers.values():
