@@ -17,9 +17,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from vtoken.compactor import kill_and_pack
 from vtoken.kv_layout import TableLayout
 from vtoken.mover import LAYOUTS, MoveBatch, make_mover
-from vtoken.planner import plan_compaction, to_global_slots
+from vtoken.planner import to_global_slots
 from vtoken.scores import ATTN_HIST, ATTN_SUM
 from vtoken.scores_reference import NEAR_TIE
 from vtoken.token_table import TokenTable
@@ -148,14 +149,10 @@ class ScoreSim:
             k = int(fraction * candidates.size)
             if not k:
                 continue
-            r.table.kill(self.rng.choice(candidates, size=k, replace=False))
-            plan = plan_compaction(r.table.physical_live_mask(), r.blocks, self.bs)
-            moves.append(
-                MoveBatch(to_global_slots(plan.src, r.blocks, self.bs), to_global_slots(plan.dst, r.blocks, self.bs))
-            )
-            r.table.apply_moves(plan.src, plan.dst, plan.physical_len)
-            self.free += r.blocks[plan.keep_blocks :]
-            del r.blocks[plan.keep_blocks :]
+            packed = kill_and_pack(r.table, self.rng.choice(candidates, size=k, replace=False), r.blocks, self.bs)
+            moves.append(packed.moves)
+            self.free += r.blocks[packed.plan.keep_blocks :]
+            del r.blocks[packed.plan.keep_blocks :]
         batch = MoveBatch.concat(moves)
         if not len(batch):
             return

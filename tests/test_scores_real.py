@@ -14,9 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from vtoken.compactor import kill_and_pack  # noqa: E402
 from vtoken.models import model_path  # noqa: E402
-from vtoken.mover import LAYOUTS, CpuMover, MoveBatch  # noqa: E402
-from vtoken.planner import plan_compaction, to_global_slots  # noqa: E402
+from vtoken.mover import LAYOUTS, CpuMover  # noqa: E402
+from vtoken.planner import to_global_slots  # noqa: E402
 from vtoken.scores import ATTN_HIST, ATTN_SUM, AttentionScorer, uniform_share  # noqa: E402
 from vtoken.scores_reference import TIE_RTOL, ReferenceScorer  # noqa: E402
 from vtoken.token_table import TokenTable  # noqa: E402
@@ -132,14 +133,11 @@ def check_real_kv(captured, fast_cls) -> None:
     forward(0, PROMPT, WINDOW)  # the prompt as one chunk, observed through its window
     for step in range(DECODE):
         if step in EVICT:
-            table.kill(np.array(EVICT[step]))
-            plan = plan_compaction(table.physical_live_mask(), blocks, BS)
-            batch = MoveBatch(to_global_slots(plan.src, blocks, BS), to_global_slots(plan.dst, blocks, BS))
-            assert len(batch)
-            CpuMover(BS).apply(kv, batch, scorers[0].extra_tensors + scorers[1].extra_tensors)
-            table.apply_moves(plan.src, plan.dst, plan.physical_len)
-            free += blocks[plan.keep_blocks :]
-            del blocks[plan.keep_blocks :]
+            packed = kill_and_pack(table, np.array(EVICT[step]), blocks, BS)
+            assert len(packed.moves)
+            CpuMover(BS).apply(kv, packed.moves, scorers[0].extra_tensors + scorers[1].extra_tensors)
+            free += blocks[packed.plan.keep_blocks :]
+            del blocks[packed.plan.keep_blocks :]
         forward(PROMPT + step, 1, 1)
 
     acc, hist, near = expected(seen, allowed)

@@ -49,7 +49,7 @@ import numpy as np
 
 from vtoken.mover import MoveBatch
 from vtoken.park import Parked, TierSlots
-from vtoken.planner import plan_compaction, to_global_slots
+from vtoken.planner import CompactionPlan, plan_compaction, to_global_slots
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord
 from vtoken.schedule import Schedule
@@ -89,6 +89,30 @@ class StepPlan(NamedTuple):
 
 class CompactorError(RuntimeError):
     """The engine and the compactor disagree about a request (a bug, never a user error)."""
+
+
+class Packed(NamedTuple):
+    """``kill_and_pack``'s result: the moves in global slots, what the victims vacated, the plan it applied."""
+
+    moves: MoveBatch
+    holes: np.ndarray  # request-local slots the victims left
+    plan: CompactionPlan
+
+
+def kill_and_pack(
+    table: TokenTable, victims: np.ndarray, block_ids: list[int], block_size: int, protected_blocks: int = 0
+) -> Packed:
+    """THE kill, plan and apply of one request: the victims die, the planner packs the survivors below the
+    protected blocks, the table records the moves. The caller applies ``moves`` to the KV (one gather-then-
+    scatter for the whole step) and keeps ``block_ids[:plan.keep_blocks]``. The compactor, replay and the
+    scorer's tests all pack through here."""
+    holes = table.kill(victims)
+    plan = plan_compaction(table.physical_live_mask(), block_ids, block_size, protected_blocks)
+    table.apply_moves(plan.src, plan.dst, plan.physical_len)
+    moves = MoveBatch(
+        to_global_slots(plan.src, block_ids, block_size), to_global_slots(plan.dst, block_ids, block_size)
+    )
+    return Packed(moves, holes, plan)
 
 
 @dataclass(eq=False)
@@ -317,7 +341,8 @@ class Compactor:
         st.compacted_at = self.step
         blocks = self.blocks_of(st.request_id)
         ids = [b.block_id for b in blocks]
-        holes = st.table.kill(victims)
+        packed = kill_and_pack(st.table, victims, ids, self.bs, self._protected_blocks(st))
+        holes, plan = packed.holes, packed.plan
         tier = self.tier.take(len(victims)) if park else np.empty(0, np.int64)
         if tier.size:  # parked: hidden from the next forward on, kept in the tier
             st.parked.add(victims[: tier.size], tier, st.record.forwards)
@@ -326,12 +351,10 @@ class Compactor:
         st.record.record_deaths(victims[tier.size :], step)
         self.totals.tokens_evicted += len(victims) - int(tier.size)
         st.dirty = True
-        plan = plan_compaction(st.table.physical_live_mask(), ids, self.bs, self._protected_blocks(st))
         # A block that lost or gained tokens must never be offered as a prefix-cache hit again
         # (vLLM: BlockPool.evict_blocks drops the hash and keeps the block).
         touched = np.unique(np.concatenate([holes, plan.src, plan.dst]) // self.bs)
         self.pool.evict_blocks({ids[i] for i in touched.tolist()})
-        st.table.apply_moves(plan.src, plan.dst, plan.physical_len)
         kept = plan.keep_blocks
         if restore is not None and restore.size:  # parked survivors come back right after the packed survivors
             slots = np.arange(plan.physical_len, plan.physical_len + restore.size)
@@ -350,8 +373,7 @@ class Compactor:
                 self.totals.blocks_freed += len(freed)
         st.record.tokens_moved += plan.num_moves
         self.totals.tokens_moved += plan.num_moves
-        batch = MoveBatch(to_global_slots(plan.src, ids, self.bs), to_global_slots(plan.dst, ids, self.bs))
-        return batch, kept
+        return packed.moves, kept
 
     def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
         """The boundary after the last chunk of a request with parked tokens: the policy chooses among live and

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vtoken.accounting import block_counts
-from vtoken.planner import plan_compaction
+from vtoken.compactor import kill_and_pack
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.token_table import TokenTable
 
@@ -63,10 +63,7 @@ def replay(
         inp = PolicyInput(table.num_logical, step, live, stats(table, live) if stats else {}, None, seed)
         victims = policy.select(inp)
         if victims.size:
-            table.kill(victims)
-            plan = plan_compaction(table.physical_live_mask(), list(range(table.num_blocks)), block_size)
-            table.apply_moves(plan.src, plan.dst, plan.physical_len)
-            moves += plan.num_moves
+            moves += kill_and_pack(table, victims, list(range(table.num_blocks)), block_size).plan.num_moves
         c = block_counts(table)
         retained.append(c.retained)
         naive.append(c.naive_retained)

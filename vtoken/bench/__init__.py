@@ -17,7 +17,18 @@ from pathlib import Path
 
 BENCHMARKS = {
     name: f"vtoken.bench.{name}"
-    for name in ("blocks", "concurrency", "sla", "overhead", "quality", "footprint", "core", "goodput", "serve")
+    for name in (
+        "blocks",
+        "concurrency",
+        "sla",
+        "overhead",
+        "quality",
+        "footprint",
+        "core",
+        "goodput",
+        "serve",
+        "retrieval",
+    )  # fmt: skip
 }
 
 

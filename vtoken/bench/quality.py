@@ -57,6 +57,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     import torch
 
     from vtoken.policies import ATTN_HIST, ATTN_SUM, PolicyInput
+    from vtoken.schedule import Schedule
     from vtoken.scores import uniform_share
 
     t_eval = len(ids) - ctx
@@ -65,9 +66,14 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     hist = np.zeros(len(ids), dtype=np.int64)
     needs = bool(policy and policy.needs)
     have = False  # statistics from the forward just run, as the engine's scheduler receives them
+    # The engine's own timing rules (vtoken/schedule.py): when the policy may evict, which queries are scored.
+    sched = Schedule.of(policy, prefill_evict=bool(chunk), window=window) if policy else None
 
-    def evict(n: int, step: int) -> None:
+    def evict(n: int, num_output: int) -> None:
         if policy is None or (policy.needs and not have):
+            return
+        step = sched.step_at(n, ctx, num_output)
+        if step is None:
             return
         alive = np.flatnonzero(live[:n])
         stats = {ATTN_SUM: acc[alive], ATTN_HIST: hist[alive]}
@@ -102,21 +108,19 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
         cache = None
         bounds = list(range(0, ctx, chunk)) + [ctx] if chunk else [0, ctx]
         for start, end in zip(bounds[:-1], bounds[1:]):
-            if chunk and start:
-                evict(start, 0)  # a chunk boundary: policy step 0
-            # As the engine: a chunk's window is scored only if the boundary after it may evict.
-            may_evict = policy is not None and live[:end].sum() > policy.target(end)
-            out = forward(start, end, cache, min(window, end - start) if chunk and may_evict else 0)
+            if start:
+                evict(start, 0)  # a chunk boundary
+            over = policy is not None and live[:end].sum() > policy.target(end)
+            out = forward(start, end, cache, sched.chunk_queries(end - start, end, ctx, 0, over) if sched else 0)
             cache = out.past_key_values
         logits, n, nll = out.logits[0, -1], ctx, []
         for t in range(t_eval):
             nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[ctx + t]]))
             if t == t_eval - 1:
                 break
-            evict(n, t + 1)
-            # As the engine: this forward completes decode step t + 2, observed one step in score_every
-            observe = int(policy is None or (t + 2) % policy.score_every == 0)
-            out = forward(n, n + 1, cache, observe)
+            evict(n, t + 1)  # t + 1 outputs sampled (the boundary after the last chunk at the first)
+            # This forward completes decode step t + 2; observed one step in score_every (full KV: always).
+            out = forward(n, n + 1, cache, int(sched.decode_ask(t + 2)[0]) if sched else 1)
             cache, logits, n = out.past_key_values, out.logits[0, -1], n + 1
     return float(np.mean(nll))
 

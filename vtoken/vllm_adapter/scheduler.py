@@ -61,7 +61,7 @@ class VTokenScheduler(Scheduler):
         )
         sc = vllm_config.scheduler_config
         self.vt_chunk = sc.long_prefill_token_threshold or sc.max_num_batched_tokens
-        self.vt_step_tokens, self.vt_max_seqs = sc.max_num_batched_tokens, sc.max_num_seqs
+        self.vt_max_seqs = sc.max_num_seqs
         # Preempted requests waiting to resume: (their earlier runs' traces, logprobs so far)
         self.vt_resume: dict[str, tuple[list[dict], list[float] | None]] = {}
         self.vt_trace = open(self.vt.trace_path, "a") if self.vt.trace_path else None  # noqa: SIM115 - engine life
@@ -139,25 +139,22 @@ class VTokenScheduler(Scheduler):
     def _shortfall(self) -> int:
         """Pressure mode: the blocks that the running requests' next forwards and the waiting requests' first
         chunks need, plus the watermark, beyond the free ones (0 when no running request is in pressure mode).
-        Mirrors what vllm/v1/core/sched/scheduler.py Scheduler.schedule will ask of the pool: running requests
-        first, then waiting ones while there are sequences and tokens to spare this step."""
+        Mirrors what vllm/v1/core/sched/scheduler.py Scheduler.schedule asks of the pool: the running requests'
+        next tokens first, then waiting requests, as many as max_num_seqs lets run."""
         states = self.vt_core.states
         if all(st.shedding for st in states.values()):
             return 0
-        bs, need, tokens = self.vt_bs, 0, 0
+        bs, need = self.vt_bs, 0
         for r in self.running:
             st = states.get(r.request_id)
             left = r.num_tokens - r.num_computed_tokens
             new = min(left, self.vt_chunk) if left > 0 else 1
             physical = r.num_computed_tokens - (st.gap if st is not None else 0) + new
             need += max(-(-physical // bs) - len(self.vt_manager.req_to_blocks.get(r.request_id, ())), 0)
-            tokens += new
-        for i, r in enumerate(self.waiting):
-            if len(self.running) + i >= self.vt_max_seqs or tokens >= self.vt_step_tokens:
+        for i, r in enumerate(self.waiting):  # each waiting request's first chunk, as many as may run at once
+            if len(self.running) + i >= self.vt_max_seqs:
                 break
-            new = min(r.num_tokens - r.num_computed_tokens, self.vt_chunk, self.vt_step_tokens - tokens)
-            need += -(-new // bs)
-            tokens += new
+            need += -(-min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) // bs)
         watermark = math.ceil(self.vt.pressure_watermark * (self.vt_pool.num_gpu_blocks - 1))
         return need + watermark - self.vt_pool.get_num_free_blocks()
 

@@ -1,0 +1,79 @@
+"""Eviction under pressure (``evict="pressure"``) on the tiny random Llama: on a pool that never runs short it is
+stock vLLM to the bit; on a pool that does, requests shed to their budget (and no further), vLLM preempts no more
+than with ``evict="always"``, the peak bound holds at every forward from a request's first shed on, and the
+outputs equal the masked reference rebuilt from the trace (a negative control applies each shed a forward late).
+Each engine run is cached for the session (tests/test_vllm_engine.py ``engine``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from test_vllm_engine import PRESSURE, check_exact, engine  # noqa: E402
+
+from vtoken.policies import make_policy  # noqa: E402
+
+CHUNK, BS = 32, 32
+CFG = {"mode": "vtoken", "policy": "h2o", "budget": 64, "sink": 2, "recent": 8, "prefill_chunk": CHUNK}
+SHORT = {**PRESSURE, "lengths": (70, 130, 45, 100)}
+
+
+def short(evict: str):
+    return engine({**CFG, "evict": evict, "park_tokens": 4096}, **SHORT)
+
+
+def test_a_pool_that_never_runs_short_is_stock_vllm_to_the_bit():
+    off = engine({"mode": "off", "prefill_chunk": CHUNK})
+    on = engine({**CFG, "evict": "pressure"})
+    assert on.tokens == off.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(on.logprobs, off.logprobs))
+    assert all(not t["evicted_positions"] and "shed_at_forward" not in t for t in on.trace)
+    assert on.stats["tokens_evicted"] == 0
+
+
+def forwards_and_bounds(t: dict, policy) -> tuple[list[int], list[int]]:
+    """Each forward's tokens computed before it, and its bound ceil((keep + new) / block_size) + 1."""
+    before, out_before, bounds = [], 0, []
+    steps = [*t["prefill_chunks"], *([1] * (len(t["blocks_per_forward"]) - len(t["prefill_chunks"])))]
+    for new in steps:
+        before.append(out_before)
+        keep = max(policy.target(out_before), min(out_before, policy.sink + policy.recent))
+        bounds.append(math.ceil((keep + new) / BS) + 1)
+        out_before += new
+    return before, bounds
+
+
+def test_a_short_pool_sheds_to_the_budget_preempts_no_more_than_always_and_stays_exact():
+    pressure, always = short("pressure"), short("always")
+    shed = [t for t in pressure.trace if "shed_at_forward" in t]
+    assert shed and pressure.stats["tokens_evicted"] > 0, "the pool ran short: requests should shed"
+    pre = {m: r.metrics["vllm:num_preemptions"] for m, r in (("pressure", pressure), ("always", always))}
+    assert pre["pressure"] <= pre["always"], pre
+    policy = make_policy("h2o", budget=CFG["budget"], sink=CFG["sink"], recent=CFG["recent"])
+    for t in pressure.trace:
+        total = len(t["prompt_token_ids"]) + len(t["output_token_ids"])
+        assert len(t["evicted_positions"]) <= total - policy.target(total), "went below its budget"
+        if "shed_at_forward" in t and not t.get("preempted_runs"):
+            _, bounds = forwards_and_bounds(t, policy)
+            held = t["blocks_per_forward"]
+            late = [(f, held[f], bounds[f]) for f in range(t["shed_at_forward"], len(held)) if held[f] > bounds[f]]
+            assert not late, f"over the bound after its first shed: {late}"
+    assert pressure.stats["free_blocks"] == pressure.stats["total_blocks"]
+    check_exact(pressure)
+
+
+def test_negative_control_a_shed_applied_a_forward_late_breaks_exactness():
+    r = short("pressure")
+    late = copy.deepcopy(r)
+    for t in late.trace:
+        if "shed_at_forward" in t and not t.get("preempted_runs"):
+            s = t["shed_at_forward"]
+            t["evicted_at_forward"] = [f + 1 if f == s else f for f in t["evicted_at_forward"]]
+    with pytest.raises(AssertionError):
+        check_exact(late)

@@ -1,0 +1,244 @@
+"""Retrieval under eviction: a RULER-style needle-in-a-haystack suite (vtoken/bench/needles.py) served through
+vLLM, full KV against every policy, budget and eviction mode, with accuracy next to the blocks each costs.
+
+Modes (what a user sets; per request where it can be):
+
+  decode    ``prefill_evict=False``: the prompt is read whole, eviction starts once it is read
+  always    ``evict="always"``: the policy evicts at every prefill chunk boundary (bounded peak), what a
+            boundary drops is lost
+  park      the same, with the parking tier (``park_tokens``): what a boundary drops waits outside the pool and
+            the survivors are chosen with the question in view (attention policies only)
+  pressure  ``evict="pressure"`` (with the tier): nothing is evicted while the pool holds what runs and waits
+
+Accuracy: the needle's value among the first numbers the model writes, over every prompt, with its 95%
+Wilson interval. Blocks per request: the mean over decode steps and the peak over every forward (prefill
+chunks included) of what the request held, and the same for Naive-Evict (the paired baseline makes the same
+decisions, so its blocks come from the same run's accounting), and ``over bound`` (at most 0: every forward
+within ``ceil((keep + chunk) / block_size) + 1`` blocks). ``--saturate`` also serves the suite at once into a
+pool that cannot hold it, where pressure mode has to evict as much as ``always``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtoken.bench.engine_run import Engine, log
+from vtoken.bench.needles import build, hit, wilson
+from vtoken.bench.report import Table
+
+POLICIES = ("h2o", "scissorhands", "snapkv", "random", "streaming")
+ATTENTION = ("h2o", "scissorhands", "snapkv")
+MODES = ("decode", "always", "park", "pressure")
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--budgets", default="0.5,0.25,0.125")
+    p.add_argument("--modes", default="decode,always,park", help=f"any of {', '.join(MODES)}")
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths, tokens")
+    p.add_argument("--depths", type=int, default=12, help="needle depths per task and length (over 5%%..95%%)")
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--window", type=int, default=32, help="queries of a chunk's observation window")
+    p.add_argument("--park-tokens", type=int, default=1 << 17, help="the parking tier's size, tokens")
+    p.add_argument("--kv-bytes", type=int, default=1 << 30, help="the KV pool (a pool that never runs short)")
+    p.add_argument("--saturate", default="", help="policy@budget:mode,... also served into a small pool at once")
+    p.add_argument("--saturate-kv-bytes", type=int, default=96 << 20)
+    p.add_argument("--max-tokens", type=int, default=12)
+
+
+def label(policy: str, budget: float, mode: str) -> str:
+    return f"{policy}@{budget:g}:{mode}"
+
+
+def options(policy: str, budget: float, mode: str, window: int) -> dict:
+    return {
+        "policy": policy,
+        "budget": budget,
+        "prefill_evict": mode != "decode",
+        "prefill_window": window,
+        "evict": "pressure" if mode == "pressure" else "always",
+    }
+
+
+def _engine_cfg(args, park: bool) -> dict:
+    cfg = {"policy": "h2o", "collect_scores": True, "prefill_chunk": args.prefill_chunk}
+    return {**cfg, "park_tokens": args.park_tokens} if park else cfg
+
+
+def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args) -> dict[str, dict]:
+    """Every configuration's requests in one batch (each request carries its own options)."""
+    reqs = [(c, i) for c in configs for i in range(len(cases))]
+    b = e.batch([cases[i].prompt for _, i in reqs], args.max_tokens, [options(*c, args.window) for c, _ in reqs])
+    out: dict[str, dict] = {}
+    for (c, i), s in zip(reqs, b.served):
+        r = out.setdefault(label(*c), {"texts": [None] * len(cases), "records": [None] * len(cases), "preempted": 0})
+        r["texts"][i] = e.tok.decode(s.output_tokens)
+        r["records"][i] = s.record
+        r["preempted"] += s.preemptions
+    return out
+
+
+def _score(cases, texts: list[str], records: list[dict] | None = None) -> dict:
+    hits = [hit(c.answer, t) for c, t in zip(cases, texts)]
+    lo, hi = wilson(sum(hits), len(hits))
+    by = {}
+    for c, h in zip(cases, hits):
+        by.setdefault(f"{c.task}@{c.length}", []).append(h)
+    out = {"hits": int(sum(hits)), "n": len(hits), "accuracy": sum(hits) / len(hits), "ci95": [lo, hi],
+           "by_task": {k: f"{sum(v)}/{len(v)}" for k, v in by.items()}, "answers": texts}  # fmt: skip
+    if records and all(records):
+
+        def mean(key: str) -> float:
+            return float(np.mean([r[key] for r in records]))
+
+        out["blocks"] = {
+            "mean": mean("mean_retained_blocks"),
+            "peak": mean("peak_retained_blocks"),
+            "naive_mean": mean("mean_naive_retained_blocks"),
+            "naive_peak": mean("peak_naive_retained_blocks"),
+            "max_over_bound": int(max(r["peak_over_bound"] for r in records)),
+        }
+    return out
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from vtoken.models import model_path
+
+    if args.quick:
+        args.model, args.policies, args.budgets = "tiny-llama", "h2o,random", "0.25"
+        args.lengths, args.depths = "256", 2
+        args.modes, args.prefill_chunk, args.window, args.max_tokens = "always,park,pressure", 64, 8, 4
+        args.park_tokens, args.saturate, args.saturate_kv_bytes = 4096, "h2o@0.25:pressure", 1 << 20
+    folder = str(model_path(args.model))
+    tok = AutoTokenizer.from_pretrained(folder)
+    cases = build(tok, [int(n) for n in args.lengths.split(",")], args.depths)
+    policies, modes = args.policies.split(","), args.modes.split(",")
+    bad = sorted(set(modes) - set(MODES)) + sorted(set(policies) - set(POLICIES))
+    if bad:
+        raise SystemExit(f"unknown modes or policies: {bad}")
+    budgets = [float(b) for b in args.budgets.split(",")]
+    configs = [(p, b, m) for p in policies for b in budgets for m in modes if m == "decode" or m == "always"
+               or p in ATTENTION]  # fmt: skip
+    longest = max(len(c.prompt) for c in cases) + args.max_tokens
+    kw = dict(kv_bytes=args.kv_bytes, max_model_len=longest, enable_prefix_caching=False,
+              max_num_batched_tokens=args.prefill_chunk)  # fmt: skip
+    log(f"[retrieval] {len(cases)} prompts x {1 + len(configs)} configurations")
+    result: dict = {"model": args.model, "prompts": len(cases), "configs": {}}
+    with Engine(folder, "off", {"prefill_chunk": args.prefill_chunk}, **kw) as e:
+        e.tok = tok
+        b = e.batch([c.prompt for c in cases], args.max_tokens)
+        result["configs"]["full KV"] = _score(cases, [tok.decode(s.output_tokens) for s in b.served])
+    log(f"[retrieval] full KV: {result['configs']['full KV']['hits']}/{len(cases)}")
+    for park in (False, True):
+        mine = [c for c in configs if (c[2] in ("park", "pressure")) == park]
+        if not mine:
+            continue
+        with Engine(folder, "vtoken", _engine_cfg(args, park), **kw) as e:
+            e.tok = tok
+            for name, r in _serve(e, cases, mine, args).items():
+                result["configs"][name] = _score(cases, r["texts"], r["records"])
+                log(f"[retrieval] {name}: {result['configs'][name]['hits']}/{len(cases)}")
+    result["saturated"] = _saturated(args, folder, tok, cases, kw) if args.saturate else {}
+    result.update(settings(args, cases))
+    return result
+
+
+def _saturated(args, folder, tok, cases, kw) -> dict:
+    """The listed configurations with the whole suite arriving at once into a small pool: pressure mode has to
+    evict as much as always there, and the peak bound has to hold."""
+    configs = []
+    for item in args.saturate.split(","):
+        pb, mode = item.split(":")
+        policy, budget = pb.split("@")
+        configs.append((policy, float(budget), mode))
+    out = {}
+    sat = {**kw, "kv_bytes": args.saturate_kv_bytes}
+    with Engine(folder, "vtoken", _engine_cfg(args, True), **sat) as e:
+        e.tok = tok
+        for c in configs:
+            r = _serve(e, cases, [c], args)[label(*c)]
+            out[label(*c)] = _score(cases, r["texts"], r["records"])
+            out[label(*c)]["preemptions"] = r["preempted"]
+            log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
+    return out
+
+
+def settings(args, cases) -> dict:
+    return {
+        "lengths": sorted({c.length for c in cases}),
+        "tasks": sorted({c.task for c in cases}),
+        "prefill_chunk": args.prefill_chunk,
+        "window": args.window,
+        "park_tokens": args.park_tokens,
+        "budgets": [float(b) for b in args.budgets.split(",")],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _acc(r: dict) -> str:
+    lo, hi = r["ci95"]
+    return f"{r['hits']}/{r['n']} ({100 * r['accuracy']:.0f}%, {100 * lo:.0f}-{100 * hi:.0f})"
+
+
+def tables(result: dict) -> list[Table]:
+    full = result["configs"]["full KV"]
+    rows = [["full KV (off)", "-", "-", _acc(full), "-", "-", "-", "-", "-"]]
+    for name, r in result["configs"].items():
+        if name == "full KV":
+            continue
+        (pb, mode), bl = name.split(":"), r.get("blocks", {})
+        policy, budget = pb.split("@")
+        rel = r["accuracy"] / full["accuracy"] if full["accuracy"] else float("nan")
+        mean, peak, naive = (f"{bl.get(k, 0):.1f}" for k in ("mean", "peak", "naive_peak"))
+        rows.append([policy, budget, mode, _acc(r), f"{100 * rel:.0f}%", mean, peak, naive, bl.get("max_over_bound")])
+    out = [
+        Table(
+            f"Needle retrieval ({result['model']}, {result['prompts']} prompts: {', '.join(result['tasks'])} at "
+            f"{', '.join(map(str, result['lengths']))} tokens, needles at 5-95% depth; prompts read in chunks of "
+            f"{result['prefill_chunk']})",
+            [
+                "policy",
+                "budget",
+                "mode",
+                "hits (95% CI)",
+                "of full KV",
+                "blocks mean",
+                "blocks peak",
+                "Naive-Evict peak",
+                "over bound",
+            ],  # fmt: skip
+            rows,
+            "Blocks per request: mean over decode steps, peak over every forward (prefill chunks included); "
+            "Naive-Evict makes the same decisions (its blocks from the same run's accounting). over bound <= 0: "
+            "every forward within ceil((keep + chunk) / block_size) + 1 blocks. decode: eviction once the prompt "
+            "is read; always: at every chunk boundary; park: the same with the parking tier; pressure: only when "
+            "the pool runs short.",
+        )
+    ]
+    if result.get("saturated"):
+        srows = [[n, _acc(r), f"{r['blocks']['peak']:.1f}", r["blocks"]["max_over_bound"], r["preemptions"]]
+                 for n, r in result["saturated"].items()]  # fmt: skip
+        cols = ["configuration", "hits (95% CI)", "blocks peak", "over bound", "preemptions"]
+        out.append(Table("The same prompts all at once into a small pool (saturation)", cols, srows))
+    return out
+
+
+def plot(result: dict, fig) -> None:
+    ax = fig.subplots(1, 1)
+    full = result["configs"]["full KV"]["accuracy"]
+    marks = {"decode": "s", "always": "o", "park": "^", "pressure": "D"}
+    for i, p in enumerate(POLICIES):
+        for name, r in result["configs"].items():
+            if name.startswith(p + "@") and "blocks" in r:
+                mode = name.split(":")[1]
+                ax.scatter(r["blocks"]["peak"], 100 * r["accuracy"], c=f"C{i}", marker=marks[mode], s=36,
+                           label=f"{p} ({mode})")  # fmt: skip
+    ax.axhline(100 * full, color="k", ls=":", label="full KV")
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys(), fontsize=6, ncol=2)
+    ax.set(xlabel="peak blocks per request", ylabel="needles retrieved (%)",
+           title="accuracy against memory: the Pareto front")  # fmt: skip
