@@ -10,6 +10,11 @@ is reported as such). Per mode we report the highest rate within the SLA and the
 second that met the SLA individually (TTFT and TPOT each within it), over the time from the first arrival to the
 last completion.
 
+``--workload retrieval`` sends the needle suite's prompts instead (vtoken/bench/needles.py, the 1K-token
+prompts: a question about a fact hidden in the text) and counts, besides goodput, the *served-correct goodput*:
+requests per second that met the SLA AND retrieved their needle. Memory bought by evicting the needle is
+throughput that answers wrongly; this is the figure that shows it.
+
 The SLA is derived on this machine, in this run, from the off engine serving one request alone:
 TTFT <= ``--ttft-factor`` x its TTFT, and TPOT <= ``--tpot-factor`` x its TPOT - a request may wait a
 few prefills' worth and decode may slow down by batching, but not without bound. The pool is small on
@@ -43,6 +48,9 @@ def add_args(p) -> None:
     p.add_argument("--ttft-factor", type=float, default=10.0)
     p.add_argument("--tpot-factor", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=("tokens", "retrieval"), default="tokens")
+    p.add_argument("--evict", choices=("always", "pressure"), default="always", help="naive and vtoken")
+    p.add_argument("--park-tokens", type=int, default=0, help="the parking tier of naive and vtoken (0: none)")
 
 
 async def _one(engine, prompt, sp, rid: str, delay: float) -> dict:
@@ -51,23 +59,33 @@ async def _one(engine, prompt, sp, rid: str, delay: float) -> dict:
     await asyncio.sleep(delay)
     t0 = time.perf_counter()
     first = last = None
-    n = 0
+    n, text = 0, ""
     async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
-        n = len(out.outputs[0].token_ids)
+        n, text = len(out.outputs[0].token_ids), out.outputs[0].text
         if n and first is None:
             first = time.perf_counter()
         last = time.perf_counter()
-    return {"ttft": first - t0, "tpot": (last - first) / max(n - 1, 1), "tokens": n, "end": last}
+    return {"ttft": first - t0, "tpot": (last - first) / max(n - 1, 1), "tokens": n, "end": last, "text": text}
 
 
-async def _serve(engine, prompts, sp, arrivals, tag: str, sla: dict | None = None) -> dict:
+async def _serve(engine, prompts, sp, arrivals, tag: str, sla: dict | None = None, answers=None) -> dict:
+    """``answers``: each prompt's needle (retrieval workload): a request counts as served-correct when it met
+    the SLA and retrieved it."""
+    from vtoken.bench.needles import hit
+
     t0 = time.perf_counter()
     res = await asyncio.gather(
         *(_one(engine, p, sp, f"{tag}-{i}", a) for i, (p, a) in enumerate(zip(prompts, arrivals)))
     )
     span = max(r["end"] for r in res) - t0
-    met = sum(r["ttft"] <= sla["ttft"] and r["tpot"] <= sla["tpot"] for r in res) if sla else len(res)
+    ok = [r["ttft"] <= sla["ttft"] and r["tpot"] <= sla["tpot"] for r in res] if sla else [True] * len(res)
+    met = sum(ok)
+    right = [hit(a, r["text"]) for a, r in zip(answers, res)] if answers else None
+    extra = {}
+    if right is not None:
+        extra = {"correct": int(sum(right)), "correct_goodput": sum(o and c for o, c in zip(ok, right)) / span}
     return {
+        **extra,
         "p90_ttft": float(np.percentile([r["ttft"] for r in res], 90)),
         "p90_tpot": float(np.percentile([r["tpot"] for r in res], 90)),
         "throughput": len(res) / span,
@@ -99,6 +117,7 @@ async def _mode(
     seed: int,
     sla: dict | None,
     factors: tuple[float, float],
+    answers: list[str] | None = None,
 ) -> dict:
     """Serve the rates in order until one misses the SLA. ``sla=None`` (the off engine, first): derive
     the SLA from this engine's solo request."""
@@ -118,7 +137,7 @@ async def _mode(
         for rate in rates:
             rng = np.random.default_rng(seed)
             arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
-            r = await _serve(engine, prompts[:n], sp, arrivals, f"{mode}-{rate}", sla)
+            r = await _serve(engine, prompts[:n], sp, arrivals, f"{mode}-{rate}", sla, answers and answers[:n])
             r["rate"] = rate
             r["meets_sla"] = r["p90_ttft"] <= sla["ttft"] and r["p90_tpot"] <= sla["tpot"]
             if mode != "off":
@@ -135,6 +154,9 @@ async def _mode(
         out["max_rate"] = ok[-1]["rate"] if ok else 0.0
         out["throughput_at_max"] = ok[-1]["throughput"] if ok else 0.0
         out["goodput_at_max"] = ok[-1]["goodput"] if ok else 0.0
+        if answers:
+            out["correct_goodput_at_max"] = ok[-1]["correct_goodput"] if ok else 0.0
+            out["best_correct_goodput"] = max(r["correct_goodput"] for r in out["rates"])
         out["broke_sla"] = bool(out["rates"]) and not out["rates"][-1]["meets_sla"]
         return out
     finally:
@@ -150,7 +172,17 @@ def run(args) -> dict:
         model, plen, m, pool, n = args.model, args.prompt_tokens, args.max_tokens, args.pool_blocks, args.requests
         rates, chunk = ladder(args.start_rate, args.rate_step, args.max_rate), args.prefill_chunk
     model_dir = str(model_path(model))
-    prompts = real_prompts(model_dir, n, plen)
+    answers = None
+    if args.workload == "retrieval":
+        from transformers import AutoTokenizer
+
+        from vtoken.bench.needles import build
+
+        suite = build(AutoTokenizer.from_pretrained(model_dir), [256 if args.quick else 1024], 3 if args.quick else 12)
+        suite = [suite[i % len(suite)] for i in range(n)]
+        prompts, answers, plen = [c.prompt for c in suite], [c.answer for c in suite], len(suite[0].prompt)
+    else:
+        prompts = real_prompts(model_dir, n, plen)
     kw = dict(
         dtype="float32",
         block_size=32,
@@ -164,17 +196,22 @@ def run(args) -> dict:
         enable_chunked_prefill=True,
         long_prefill_token_threshold=chunk,  # every mode reads prompts in the same chunks
     )
-    cfg = {"policy": args.policy, "budget": args.budget, "prefill_chunk": chunk}
+    cfg = {"policy": args.policy, "budget": args.budget, "prefill_chunk": chunk, "evict": args.evict,
+           "park_tokens": args.park_tokens}  # fmt: skip
     factors = (args.ttft_factor, args.tpot_factor)
-    modes = {"off": asyncio.run(_mode(model_dir, "off", cfg, kw, prompts, m, rates, n, args.seed, None, factors))}
+    common = (model_dir, cfg, kw, prompts, m, rates, n, args.seed)
+    modes = {"off": asyncio.run(_mode(common[0], "off", *common[1:], None, factors, answers))}
     sla = modes["off"]["sla"]  # from off serving one request alone, first in this run
     for mode in ("naive", "vtoken"):
-        modes[mode] = asyncio.run(_mode(model_dir, mode, cfg, kw, prompts, m, rates, n, args.seed, sla, factors))
+        modes[mode] = asyncio.run(_mode(common[0], mode, *common[1:], sla, factors, answers))
     nv, vt = modes["naive"]["max_rate"], modes["vtoken"]["max_rate"]
     base = modes["naive"]["goodput_at_max"]
     for r in modes.values():
         r["goodput_vs_naive"] = r["goodput_at_max"] / base if base else None
     return {
+        "workload": args.workload,
+        "evict": args.evict,
+        "park_tokens": args.park_tokens,
         "model": model,
         "policy": args.policy,
         "budget": args.budget,
@@ -214,7 +251,34 @@ def tables(result: dict) -> list[Table]:
         )
     ratio = result["ratio_vs_naive"]
     s = result["sla"]
-    return [
+    out = []
+    if result.get("workload") == "retrieval":
+        m = result["modes"]
+        crow = []
+        for mode, r in m.items():
+            cg = r.get("correct_goodput_at_max", 0.0)
+            vs = {o: cg / m[o]["correct_goodput_at_max"] if m[o].get("correct_goodput_at_max") else None
+                  for o in ("naive", "off")}  # fmt: skip
+            acc = [f"{x['correct']}/{result['requests_per_rate']}" for x in r["rates"]]
+            crow.append([mode, r["max_rate"], round(cg, 3), *(f"x{v:.2f}" if v else "-" for v in vs.values()),
+                         round(r.get("best_correct_goodput", 0.0), 3), " ".join(acc)])  # fmt: skip
+        out.append(
+            Table(
+                "Served-correct goodput: requests per second that met the SLA and retrieved their needle "
+                f"({result['evict']} eviction, parking tier {result['park_tokens']} tokens)",
+                [
+                    "mode",
+                    "max rate within SLA",
+                    "served-correct goodput there",
+                    "vs naive",
+                    "vs off",
+                    "best over rates",
+                    "needles retrieved per rate",
+                ],  # fmt: skip
+                crow,
+            )
+        )
+    return out + [
         Table(
             f"Highest Poisson arrival rate within the SLA ({result['model']}, {result['policy']} at budget "
             f"{result['budget']}, {result['pool_blocks']}-block pool, {result['prompt_tokens']}-token prompts "

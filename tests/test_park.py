@@ -1,0 +1,154 @@
+"""Parking without vLLM (vtoken/park.py, vtoken/tier.py): the tier's slot allocator, tokens parked and restored
+byte for byte in every layout vToken moves (the CPU layout, CUDA's flash view, AMX's VNNI packing), a tier slot
+one request leaves taken by another's parking in the same step (with the negative control that parks before it
+fetches), and the joint window's statistics against a plain softmax over the parked and live keys."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kv_layout_sim import vnni_layout
+
+from vtoken.mover import LAYOUTS, CpuMover, MoveBatch
+from vtoken.park import Parked, TierSlots
+from vtoken.policies import ATTN_HIST, ATTN_SUM
+from vtoken.scores import AttentionScorer, uniform_share
+from vtoken.scores_reference import window_probs
+from vtoken.tier import KVTier
+
+BS, D, HEADS, LAYERS, BLOCKS = 32, 16, 2, 3, 12  # VNNI packs V in groups of 16 elements
+
+
+def test_tier_slots_hand_out_and_take_back_in_any_order():
+    t = TierSlots(10)
+    a, b = t.take(4), t.take(8)
+    assert len(a) == 4 and len(b) == 6 and t.num_free == 0  # fewer when the tier is nearly full
+    t.give(a[[2, 0]])
+    t.check_integrity(np.concatenate([a[[1, 3]], b]))
+    with pytest.raises(ValueError):
+        t.give(np.arange(9))
+    with pytest.raises(ValueError):
+        t.check_integrity(np.concatenate([a, b]))  # a[0] and a[2] are free: they cannot be held too
+
+
+def test_parked_keeps_order_and_forward():
+    p = Parked()
+    p.add(np.array([5, 9]), np.array([0, 1]), 3)
+    p.add(np.array([2]), np.array([7]), 4)
+    assert p.logical.tolist() == [5, 9, 2] and p.at_forward.tolist() == [3, 3, 4] and p.size == 3
+    p.clear()
+    assert p.size == 0
+
+
+def caches(layout, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (BLOCKS, HEADS, BS * 2 * D) if layout != "flash" else (BLOCKS, HEADS, BS, 2 * D)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(LAYERS)]
+
+
+def token(kv, layout, slot: int) -> torch.Tensor:
+    """One token's K and V as [kv_heads, 2 * D], through the layout."""
+    if not isinstance(layout, str):
+        b, o = torch.tensor([slot // BS]), torch.tensor([slot % BS])
+        return kv.view(-1)[layout.positions(kv, b, o)][0]
+    views = LAYOUTS[layout](kv, BS)
+    return torch.cat([v[slot // BS, slot % BS] for v in views], dim=-1)
+
+
+@pytest.mark.parametrize("name", ["cpu", "flash", "vnni"])
+def test_parked_tokens_come_back_byte_for_byte_in_every_layout(name):
+    layout = vnni_layout(BS, D) if name == "vnni" else name
+    dtype = torch.bfloat16 if name == "vnni" else torch.float32
+    kv = caches(layout, dtype)
+    stats = [torch.arange(BLOCKS * BS, dtype=torch.float32), torch.arange(BLOCKS * BS, dtype=torch.int64) * 3]
+    tier = KVTier(16, kv, layout, BS, D, stats)
+    src = np.array([3, 40, 41, 200])
+    want = [[token(k, layout, s).clone() for s in src] for k in kv]
+    want_stats = [t[torch.as_tensor(src)].clone() for t in stats]
+    tier.park(kv, stats, MoveBatch(src, np.array([5, 0, 9, 2])))
+    for k in kv:  # the pool's slots are reused for something else meanwhile
+        k.zero_()
+    for t in stats:
+        t.zero_()
+    dst = np.array([100, 101, 300, 7])
+    back = MoveBatch(np.array([5, 0, 9, 2]), dst)
+    tier.restore(kv, stats, back, tier.fetch(back))
+    for k, w in zip(kv, want):
+        for s, tok in zip(dst, w):
+            assert torch.equal(token(k, layout, int(s)), tok)
+    for t, w in zip(stats, want_stats):
+        assert torch.equal(t[torch.as_tensor(dst)], w)
+
+
+def apply_step(tier, kv, park: MoveBatch, restore: MoveBatch, moves: MoveBatch, fetch_first: bool = True):
+    """The worker's order (model_runner._vt_apply): fetch restored tokens, park, move, restore."""
+    if not fetch_first:  # negative control: the tier slot a restore reads may already hold a new parked token
+        tier.park(kv, [], park)
+    fetched = tier.fetch(restore)
+    if fetch_first:
+        tier.park(kv, [], park)
+    CpuMover(BS, "cpu").apply(kv, moves)
+    tier.restore(kv, [], restore, fetched)
+
+
+@pytest.mark.parametrize("fetch_first", [True, False])
+def test_a_tier_slot_freed_by_one_request_and_parked_into_by_another_in_the_same_step(fetch_first):
+    kv = caches("cpu")
+    tier = KVTier(4, kv, "cpu", BS, D)
+    tier.park(kv, [], MoveBatch(np.array([10]), np.array([0])))  # request A parked slot 10 into tier slot 0
+    a_token = token(kv[0], "cpu", 10).clone()
+    b_token = token(kv[0], "cpu", 70).clone()
+    # This step: A restores tier slot 0 into pool slot 33 while B parks pool slot 70 into the same tier slot 0,
+    # and B's packing moves slot 71 into the hole at 70.
+    apply_step(tier, kv, MoveBatch(np.array([70]), np.array([0])), MoveBatch(np.array([0]), np.array([33])),
+               MoveBatch(np.array([71]), np.array([70])), fetch_first)  # fmt: skip
+    restored, parked = token(kv[0], "cpu", 33), tier.kv[0][0]
+    if fetch_first:
+        assert torch.equal(restored, a_token) and torch.equal(parked, b_token)
+    else:
+        assert not torch.equal(restored, a_token)  # A got B's token: the order matters
+
+
+def test_the_joint_window_equals_one_softmax_over_parked_and_live_keys():
+    """Three layers of a request whose last chunk's 4 window queries see 40 live keys and 6 parked ones."""
+    g = torch.Generator().manual_seed(3)
+    kv = caches("cpu")
+    scorer = AttentionScorer(BLOCKS * BS, BS, "cpu", torch.device("cpu"))
+    tier = KVTier(8, kv, "cpu", BS, D, scorer.extra_tensors)
+    blocks, seq, n_q, heads = [4, 9], 40, 4, 4
+    live = np.array([blocks[s // BS] * BS + s % BS for s in range(seq)])
+    tier_slots = np.array([6, 1, 3, 0, 7, 2])
+    for t in tier.kv:  # the parked keys: whatever sits in those tier slots
+        t.copy_(torch.randn(t.shape, generator=g))
+    md = SimpleNamespace(seq_lens=torch.tensor([seq]), query_start_loc=torch.tensor([0, n_q]),
+                         block_table=torch.tensor([blocks]))  # fmt: skip
+    tier.begin([(0, n_q, tier_slots)])
+    queries = [torch.randn(n_q, heads, D, generator=g) for _ in kv]
+    for q, k in zip(queries, kv):
+        tier.observe(q, k, md, 0.3)
+    tier.end(scorer)
+    # Reference: parked keys first (every query sees them), then the live keys in physical order.
+    weights = 0
+    for layer, (q, k) in enumerate(zip(queries, kv)):
+        keys = torch.stack([token(k, "cpu", int(s))[:, :D] for s in live])
+        parked = tier.kv[layer][torch.as_tensor(tier_slots)][:, :, :D]
+        weights = weights + window_probs(q, torch.cat([parked, keys]), 0.3).sum(1)  # [n_q, 6 + 40]
+    acc = weights.sum(0)
+    got_live = scorer.acc[torch.as_tensor(live)].double()
+    got_parked = tier.extra[0][torch.as_tensor(tier_slots)].double()
+    assert torch.allclose(got_live, acc[6:], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got_parked, acc[:6], rtol=1e-5, atol=1e-6)
+    total, p = LAYERS * heads, len(tier_slots)
+    hist = torch.zeros(p + seq, dtype=torch.int64)
+    for j in range(n_q):  # query j sits at live position seq - n_q + j: it attends the parked keys and live 0..pos
+        pos = seq - n_q + j
+        attends = torch.arange(p + seq) <= p + pos
+        hot = (weights[j] / total > uniform_share(p + pos + 1)).long()
+        hist = torch.where(attends, (hist << 1) | hot, hist)
+    assert torch.equal(scorer.hist[torch.as_tensor(live)], hist[p:])
+    assert torch.equal(tier.extra[1][torch.as_tensor(tier_slots)], hist[:p])
+    out = tier.export(tier_slots, (ATTN_SUM, ATTN_HIST))
+    assert np.allclose(out["parked:attn_sum"], acc[:6].numpy(), rtol=1e-5)
