@@ -137,14 +137,15 @@ def test_preemption_between_chunks_resumes_exactly_and_frees_every_block():
 # ------------------------------------------------------------------ parking (vtoken/park.py)
 @pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
 def test_parked_tokens_come_back_and_the_output_stays_exact(policy):
-    """What a chunk boundary drops waits in the tier; at the end of the prompt the last chunk's window chooses
-    among live and parked tokens, and some parked ones come back. The masked reference, rebuilt from the trace
+    """What a chunk boundary drops waits in the tier; one token before the end of the prompt the window chooses
+    among live and parked tokens, some parked ones come back, and the last prompt token (which samples) sees them. The masked reference, rebuilt from the trace
     (hidden from the forward that parked them to the one that restored them), gives the same tokens."""
     r = by_policy(chunked(park_tokens=4096), policy)
     for t in r.trace:
         n = len(t["prefill_chunks"])
         back = t.get("restored_positions", [])
         assert len(back) > 0, "some parked tokens should come back"
+        assert t["prefill_chunks"][-1] == 1, "the last prompt token, which samples, is read after the choice"
         assert all(p < f <= n for p, f in zip(t["parked_at_forward"], t["restored_at_forward"]))
         assert not set(back) & set(t["evicted_positions"][:0]), "restored tokens were not evicted then"
     check_exact(r)

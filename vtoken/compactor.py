@@ -231,7 +231,7 @@ class Compactor:
             fresh[st.request_id], st.stats = st.stats, None
         for p, st in todo:
             stats = fresh[st.request_id]
-            if st.parked.size and not st.in_prefill:
+            if st.parked.size and st.table.num_logical >= st.prefill_len - 1:
                 batch = self._choose_with_parked(st, stats)
             elif not st.shedding:
                 continue  # pressure mode: keeps every token until the pool runs short
@@ -435,6 +435,13 @@ class Compactor:
                 held.extend(self.pool.get_new_blocks(n))
 
     # ---------------------------------------------------------------- after vLLM scheduled
+    def stop_short(self, request_id: str, new_tokens: int, num_computed_after: int) -> bool:
+        """Should this forward stop one token before the end of the prompt? Yes for a request with parked tokens
+        whose forward would read its last prompt token: the forward that samples the first output must come after
+        the choice among live and parked tokens, or the answer's first token is read without the parked facts."""
+        st = self.states.get(request_id)
+        return bool(st and st.parked.size and new_tokens > 1 and num_computed_after == st.prefill_len)
+
     def scheduled(self, request_id: str, new_tokens: int, num_computed_after: int, num_output: int) -> ScoreAsk | None:
         """A forward of ``new_tokens`` tokens runs this step (vLLM already counted them as computed and allocated
         their blocks). Records it and returns what the worker should score, or None."""
@@ -456,8 +463,9 @@ class Compactor:
             return ScoreAsk(1, policy.needs if export else ()) if observe else None
         over = live + new_tokens > policy.target(num_computed_after)
         queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, num_output, over)
-        if st.parked.size and num_computed_after >= st.prefill_len:
-            # The last chunk: its window (the question) is scored over live and parked keys in one softmax.
+        if st.parked.size and num_computed_after == st.prefill_len - 1:
+            # All but the prompt's last token: its window (the question) is scored over live and parked keys in
+            # one softmax; the choice follows, and the last token's forward, which samples, sees the survivors.
             return ScoreAsk(min(st.window, new_tokens), policy.needs, st.parked.tier.copy())
         return ScoreAsk(queries, policy.needs) if queries else None
 

@@ -10,9 +10,11 @@ pool slots, the rest are freed for good. The pool's peak stays bounded (parked t
 the choice sees the question, as decode-only eviction's does.
 
     chunk boundary   victims -> parked (tier slots while the tier has room; otherwise evicted, as without it)
-    last chunk       its window is scored over live + parked keys together (one softmax)
-    boundary after   policy.select over live + parked: live losers evicted, parked winners restored into the
+    the chunk that   ends one token before the prompt does (the scheduler stops the last chunk one token short):
+      ends at n - 1  its window is scored over live + parked keys together (one softmax)
+    boundary n - 1   policy.select over live + parked: live losers evicted, parked winners restored into the
                      packed request's free slots, parked losers freed (evicted from the forward that parked them)
+    token n - 1      its forward samples the first output token, and sees the survivors
 
 The trace says when each restored token was parked and restored, so the masked reference hides it exactly
 for the forwards in between (tests/reference.py).

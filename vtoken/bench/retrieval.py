@@ -45,6 +45,8 @@ def add_args(p) -> None:
     p.add_argument("--saturate", default="", help="policy@budget:mode,... also served into a small pool at once")
     p.add_argument("--saturate-kv-bytes", type=int, default=96 << 20)
     p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--no-full", action="store_true", help="skip the full-KV run (when merging with a run that has it)")
+    p.add_argument("--merge", default="", help="retrieval.json files of earlier runs to combine (no engine runs)")
 
 
 def label(policy: str, budget: float, mode: str) -> str:
@@ -102,11 +104,32 @@ def _score(cases, texts: list[str], records: list[dict] | None = None) -> dict:
     return out
 
 
+def merge(paths: list[str]) -> dict:
+    """Runs of the same suite, split to keep each engine run short, as one result (later runs win)."""
+    import json
+
+    runs = [json.loads(open(p).read()) for p in paths]
+    out = {k: v for k, v in runs[0].items() if k not in ("benchmark", "command", "settings", "machine", "seconds")}
+    out["configs"], out["saturated"], out["merged_from"] = {}, {}, [r["command"] for r in runs]
+    for r in runs:
+        if r["prompts"] != out["prompts"] or r["lengths"] != out["lengths"]:
+            raise SystemExit(f"--merge: {r['command']} ran another suite")
+        out["configs"].update(r["configs"])
+        out["saturated"].update(r.get("saturated", {}))
+    if "full KV" not in out["configs"]:
+        raise SystemExit("--merge: no run has the full-KV baseline")
+    out["configs"] = {"full KV": out["configs"].pop("full KV"), **out["configs"]}
+    out["budgets"] = sorted({b for r in runs for b in r["budgets"]}, reverse=True)
+    return out
+
+
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
     from vtoken.models import model_path
 
+    if args.merge:
+        return merge(args.merge.split(","))
     if args.quick:
         args.model, args.policies, args.budgets = "tiny-llama", "h2o,random", "0.25"
         args.lengths, args.depths = "256", 2
@@ -127,11 +150,11 @@ def run(args) -> dict:
               max_num_batched_tokens=args.prefill_chunk)  # fmt: skip
     log(f"[retrieval] {len(cases)} prompts x {1 + len(configs)} configurations")
     result: dict = {"model": args.model, "prompts": len(cases), "configs": {}}
-    with Engine(folder, "off", {"prefill_chunk": args.prefill_chunk}, **kw) as e:
-        e.tok = tok
-        b = e.batch([c.prompt for c in cases], args.max_tokens)
-        result["configs"]["full KV"] = _score(cases, [tok.decode(s.output_tokens) for s in b.served])
-    log(f"[retrieval] full KV: {result['configs']['full KV']['hits']}/{len(cases)}")
+    if not args.no_full:
+        with Engine(folder, "off", {"prefill_chunk": args.prefill_chunk}, **kw) as e:
+            b = e.batch([c.prompt for c in cases], args.max_tokens)
+            result["configs"]["full KV"] = _score(cases, [tok.decode(s.output_tokens) for s in b.served])
+        log(f"[retrieval] full KV: {result['configs']['full KV']['hits']}/{len(cases)}")
     for park in (False, True):
         mine = [c for c in configs if (c[2] in ("park", "pressure")) == park]
         if not mine:
@@ -184,7 +207,7 @@ def _acc(r: dict) -> str:
 
 
 def tables(result: dict) -> list[Table]:
-    full = result["configs"]["full KV"]
+    full = result["configs"].get("full KV", {"hits": 0, "n": 0, "accuracy": 0.0, "ci95": [0.0, 0.0]})
     rows = [["full KV (off)", "-", "-", _acc(full), "-", "-", "-", "-", "-"]]
     for name, r in result["configs"].items():
         if name == "full KV":
@@ -228,7 +251,7 @@ def tables(result: dict) -> list[Table]:
 
 def plot(result: dict, fig) -> None:
     ax = fig.subplots(1, 1)
-    full = result["configs"]["full KV"]["accuracy"]
+    full = result["configs"].get("full KV", {}).get("accuracy", 0.0)
     marks = {"decode": "s", "always": "o", "park": "^", "pressure": "D"}
     for i, p in enumerate(POLICIES):
         for name, r in result["configs"].items():

@@ -115,10 +115,12 @@ class VTokenScheduler(Scheduler):
         out = super().schedule(*args, **kwargs)
         t2 = time.perf_counter()
         step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore)
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid, n in list(out.num_scheduled_tokens.items()):
             request = self.requests[rid]
             if rid not in self.vt_core.states:
                 self._admit(request, n)
+            elif self.vt_core.stop_short(rid, n, request.num_computed_tokens):
+                n = self._stop_one_short(out, request)
             ask = self.vt_core.scheduled(rid, n, request.num_computed_tokens, request.num_output_tokens)
             if ask is not None:
                 step.observe[rid] = ask.queries
@@ -131,6 +133,21 @@ class VTokenScheduler(Scheduler):
         totals.compaction_seconds += (t1 - t0) + (time.perf_counter() - t2)
         out.vtoken = step
         return out
+
+    def _stop_one_short(self, out, request) -> int:
+        """This step's forward of ``request`` stops one token before the end of its prompt (compactor.stop_short);
+        vLLM then reads the last prompt token, and samples, in the next step. Undoes one token of
+        vllm/v1/core/sched/scheduler.py Scheduler._update_after_schedule (num_computed_tokens,
+        num_in_flight_tokens, is_prefill_chunk, _inflight_prefills) and of the step's token counts; the worker
+        then discards this forward's sample as for any partial prefill (GPUModelRunner discard_request_mask)."""
+        rid = request.request_id
+        out.num_scheduled_tokens[rid] -= 1
+        out.total_num_scheduled_tokens -= 1
+        request.num_computed_tokens -= 1
+        request.num_in_flight_tokens -= 1
+        request.is_prefill_chunk = True
+        self._inflight_prefills.add(request)
+        return out.num_scheduled_tokens[rid]
 
     def _vt_before_schedule(self, plan: StepPlan) -> StepPlan:
         """Hook between the compaction plan and vLLM's scheduling (the testing scheduler relocates here)."""
