@@ -64,8 +64,10 @@ def test_snapkv_keeps_the_neighbours_of_a_heavy_token_together():
     w[10] = 5.0  # one token of a fact drew the window's attention; its neighbours did not
     w[[2, 18]] = 0.2
     x = PolicyInput(21, 1, np.arange(21), {ATTN_SUM: w})
-    kept = np.setdiff1d(np.arange(21), make_policy("snapkv", budget=7, sink=0, recent=0, kernel=7).select(x))
+    kept = np.setdiff1d(np.arange(21), make_policy("snapkv", budget=7, sink=0, recent=0, before=3, after=3).select(x))
     assert kept.tolist() == list(range(7, 14))  # the whole neighbourhood, not h2o's scattered 0.2s
+    kept = np.setdiff1d(np.arange(21), make_policy("snapkv", budget=7, sink=0, recent=0, before=6, after=0).select(x))
+    assert kept.tolist() == list(range(10, 17))  # what follows the attended token: where a fact's value sits
     h2o_kept = np.setdiff1d(np.arange(21), make_policy("h2o", budget=7, sink=0, recent=0).select(x))
     assert {2, 10, 18} <= set(h2o_kept.tolist())
 

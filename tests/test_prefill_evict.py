@@ -138,8 +138,9 @@ def test_preemption_between_chunks_resumes_exactly_and_frees_every_block():
 @pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
 def test_parked_tokens_come_back_and_the_output_stays_exact(policy):
     """What a chunk boundary drops waits in the tier; one token before the end of the prompt the window chooses
-    among live and parked tokens, some parked ones come back, and the last prompt token (which samples) sees them. The masked reference, rebuilt from the trace
-    (hidden from the forward that parked them to the one that restored them), gives the same tokens."""
+    among live and parked tokens, some parked ones come back, and the last prompt token (which samples) sees
+    them. The masked reference, rebuilt from the trace (hidden from the forward that parked them to the one that
+    restored them), gives the same tokens."""
     r = by_policy(chunked(park_tokens=4096), policy)
     for t in r.trace:
         n = len(t["prefill_chunks"])

@@ -49,8 +49,10 @@ class KVTier:
                                                                                     head_size))  # fmt: skip
         self.table = table
         heads = kv_caches[0].shape[1]
-        self.kv = [torch.zeros(capacity, heads, 2 * head_size, dtype=kv.dtype, device=kv.device) for kv in kv_caches]
-        self.extra = [torch.zeros(capacity, dtype=t.dtype, device=t.device) for t in extra]
+        # Uninitialised: a slot is read only after a token was parked into it, and untouched host pages of a tier
+        # that is rarely full cost no memory.
+        self.kv = [torch.empty(capacity, heads, 2 * head_size, dtype=kv.dtype, device=kv.device) for kv in kv_caches]
+        self.extra = [torch.empty(capacity, dtype=t.dtype, device=t.device) for t in extra]
         self._layer = {kv.data_ptr(): i for i, kv in enumerate(kv_caches)}
         self.bytes_moved = 0
         self._rows: list[tuple[int, int, np.ndarray]] = []

@@ -8,13 +8,16 @@ from vtoken.policies.registry import register
 
 @register("snapkv")
 class SnapKV(EvictionPolicy):
-    """Score = the attention a token received (as h2o), max-pooled over the ``kernel`` tokens around it in
-    logical order: a fact's tokens are kept together, not its one most-attended token (SnapKV's clustering)."""
+    """Score = the most attention (as h2o counts it) received by any token from ``before`` tokens before it to
+    ``after`` tokens after it, in logical order: a fact's tokens are kept together (SnapKV's clustering). SnapKV
+    pools symmetrically; a question attends to a fact's key and its value follows the key, so the window looks
+    further back (README: Keeping the needle)."""
 
-    kernel: int = 7
+    before: int = 12
+    after: int = 2
     needs = (ATTN_SUM,)
 
     def score(self, inp: PolicyInput):
-        x, half = np.asarray(inp.stats[ATTN_SUM], dtype=np.float64), max(self.kernel, 1) // 2
-        padded = np.pad(x, half, constant_values=-np.inf)
-        return np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).max(axis=-1)
+        x, b, a = np.asarray(inp.stats[ATTN_SUM], dtype=np.float64), max(self.before, 0), max(self.after, 0)
+        padded = np.pad(x, (b, a), constant_values=-np.inf)
+        return np.lib.stride_tricks.sliding_window_view(padded, b + a + 1).max(axis=-1)
