@@ -134,6 +134,18 @@ def test_preemption_between_chunks_resumes_exactly_and_frees_every_block():
     assert r.stats["free_blocks"] == r.stats["total_blocks"] and r.stats["running"] == 0
 
 
+def test_snapkv_between_chunks_is_exact_and_decides_unlike_h2o():
+    """The pooled policy (each request chooses it) through vLLM: exact against the masked reference, with eviction
+    between chunks, and its decisions differ from h2o's on the same prompts."""
+    snap = engine({"mode": "vtoken", "policy": "h2o", **EVICT}, options=(json.dumps({"policy": "snapkv"}),) * 3,
+                  lengths=LENGTHS)  # fmt: skip
+    for t in snap.trace:
+        assert prefill_evictions(t) > 10
+    check_exact(snap)
+    h2o = by_policy(chunked(), "h2o")
+    assert [t["evicted_positions"] for t in snap.trace] != [t["evicted_positions"] for t in h2o.trace]
+
+
 # ------------------------------------------------------------------ parking (vtoken/park.py)
 @pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
 def test_parked_tokens_come_back_and_the_output_stays_exact(policy):

@@ -29,8 +29,8 @@ def short(evict: str):
 
 
 def test_a_pool_that_never_runs_short_is_stock_vllm_to_the_bit():
-    off = engine({"mode": "off", "prefill_chunk": CHUNK})
-    on = engine({**CFG, "evict": "pressure"})
+    off = engine(None)
+    on = engine({**CFG, "evict": "pressure", "prefill_chunk": None})  # stock vLLM here reads prompts whole too
     assert on.tokens == off.tokens
     assert all(np.array_equal(a, b) for a, b in zip(on.logprobs, off.logprobs))
     assert all(not t["evicted_positions"] and "shed_at_forward" not in t for t in on.trace)

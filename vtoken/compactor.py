@@ -220,7 +220,8 @@ class Compactor:
 
     # ---------------------------------------------------------------- before vLLM schedules
     def plan_step(self, progress: Iterable[Progress], shortfall: int = 0) -> StepPlan:
-        """``shortfall`` (pressure mode): blocks the running and waiting requests need beyond the free ones."""
+        """``shortfall`` (pressure mode): the blocks that requests waiting to be admitted need, plus a watermark,
+        beyond the free ones; the running requests' next forwards are added here, once their tables are synced."""
         self.step += 1
         moves, keep = [], {}
         self._park, self._restore = [], []
@@ -240,18 +241,21 @@ class Compactor:
             if batch is not None:
                 moves.append(batch)
                 keep[st.request_id] = len(self.blocks_of(st.request_id))
+        if any(not st.shedding for _, st in todo):
+            shortfall += sum(self._need(st, p.next_tokens) for p, st in todo)
         if shortfall > 0:
             for p, st in self._shedding_order(todo, fresh):
                 if shortfall <= 0:
                     break
-                before = len(self.blocks_of(st.request_id))
+                before, need = len(self.blocks_of(st.request_id)), self._need(st, p.next_tokens)
                 st.shedding = True
                 st.record.shed_at = st.record.forwards
                 batch = self._evict_by_policy(st, p, fresh[st.request_id], shed=True)
                 if batch is not None:
                     moves.append(batch)
                     keep[st.request_id] = len(self.blocks_of(st.request_id))
-                    shortfall -= before - keep[st.request_id]
+                    # What it gave back, less what its next forward now needs again.
+                    shortfall -= before - keep[st.request_id] - (self._need(st, p.next_tokens) - need)
         gaps = {}
         for _, st in todo:
             if st.gap != st.gap_sent:
@@ -261,6 +265,10 @@ class Compactor:
                 self._settle_ballast(st, p.next_tokens)
         return StepPlan(MoveBatch.concat(moves), keep, gaps, MoveBatch.concat(self._park),
                         MoveBatch.concat(self._restore))  # fmt: skip
+
+    def _need(self, st: RequestState, writing: int) -> int:
+        """Blocks the request's next forward takes from the pool (it writes ``writing`` tokens)."""
+        return max(-(-(st.table.physical_len + writing) // self.bs) - len(self.blocks_of(st.request_id)), 0)
 
     def _evict_by_policy(self, st: RequestState, p: Progress, stats, shed: bool = False) -> MoveBatch | None:
         victims = self._decide(st, p.num_output, stats, shed)

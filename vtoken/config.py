@@ -66,13 +66,25 @@ class VTokenConfig(BaseModel):
     pressure_watermark: float = Field(
         0.02, ge=0, lt=1, description="evict: pressure: the share of the pool's blocks kept free on top of the demand"
     )
-    park_tokens: int = Field(
-        0,
-        ge=0,
+    park_tokens: int | Literal["auto"] = Field(
+        "auto",
         description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "
-        "drops waits there, and the tokens kept at the end of the prompt are chosen among live and parked ones by "
-        "the last chunk's window (the question); h2o and scissorhands. 0: no tier (what a boundary drops is lost)",
+        "drops waits there, and the tokens kept when the prompt has been read are chosen among live and parked "
+        "ones by the prompt's last window (the question); attention policies (h2o, scissorhands, snapkv). "
+        "auto: twice the tokens the KV pool holds. 0: no tier (what a boundary drops is lost)",
     )
+
+    @field_validator("park_tokens")
+    @classmethod
+    def _park_tokens(cls, v: int | str) -> int | str:
+        if v != "auto" and v < 0:
+            raise ValueError(f"park_tokens must be 'auto' or >= 0, got {v}")
+        return v
+
+    def tier_tokens(self, pool_tokens: int) -> int:
+        """The parking tier's size for a KV pool of ``pool_tokens`` tokens (0: no tier)."""
+        return 2 * pool_tokens if self.park_tokens == "auto" else int(self.park_tokens)
+
     prefill_chunk: int | None = Field(
         None,
         ge=1,

@@ -58,9 +58,10 @@ class VTokenRunnerMixin:
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
             self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
-            if self.vt.park_tokens:
-                self.vt_tier = KVTier(self.vt.park_tokens, self.kv_caches, layout, bs, spec.head_size,
-                                      self.vt_scorer.extra_tensors, self.vt_tp)  # fmt: skip
+            park = self.vt.tier_tokens(int(self.kv_caches[0].shape[0]) * bs)  # as the scheduler's TierSlots
+            if park:
+                self.vt_tier = KVTier(park, self.kv_caches, layout, bs, spec.head_size, self.vt_scorer.extra_tensors,
+                                      self.vt_tp)  # fmt: skip
             scores_mod.install(forward_context, scores_mod.Observers(self.vt_scorer, self.vt_tier))
         # CUDA: bind the fused mover to the caches once (fixed addresses) and make each layer wait for its moves
         extra = self.vt_scorer.extra_tensors if self.vt_scorer else []

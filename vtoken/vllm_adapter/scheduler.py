@@ -55,7 +55,8 @@ class VTokenScheduler(Scheduler):
         self.vt_pool = self.kv_cache_manager.block_pool
         self.vt_bs = self.vt_manager.block_size
         # vllm/v1/core/single_type_kv_cache_manager.py: req_to_blocks[rid] is the request's block list.
-        tier = TierSlots(self.vt.park_tokens) if self.vt.park_tokens else None
+        park = self.vt.tier_tokens(self.vt_pool.num_gpu_blocks * self.vt_bs)  # the worker sizes its tier alike
+        tier = TierSlots(park) if park else None
         self.vt_core = Compactor(
             self.vt.mode, self.vt_bs, self.vt_pool, lambda rid: self.vt_manager.req_to_blocks[rid], tier
         )
@@ -154,24 +155,17 @@ class VTokenScheduler(Scheduler):
         return plan
 
     def _shortfall(self) -> int:
-        """Pressure mode: the blocks that the running requests' next forwards and the waiting requests' first
-        chunks need, plus the watermark, beyond the free ones (0 when no running request is in pressure mode).
-        Mirrors what vllm/v1/core/sched/scheduler.py Scheduler.schedule asks of the pool: the running requests'
-        next tokens first, then waiting requests, as many as max_num_seqs lets run."""
-        states = self.vt_core.states
-        if all(st.shedding for st in states.values()):
+        """Pressure mode: the blocks that waiting requests' first chunks need, plus the watermark, beyond the free
+        ones (the compactor adds the running requests' next forwards). Mirrors what vllm/v1/core/sched/scheduler.py
+        Scheduler.schedule asks of the pool: running requests first, then waiting ones, as many as max_num_seqs
+        lets run. 0 when no request is in pressure mode."""
+        if all(st.shedding for st in self.vt_core.states.values()):
             return 0
-        bs, need = self.vt_bs, 0
-        for r in self.running:
-            st = states.get(r.request_id)
-            left = r.num_tokens - r.num_computed_tokens
-            new = min(left, self.vt_chunk) if left > 0 else 1
-            physical = r.num_computed_tokens - (st.gap if st is not None else 0) + new
-            need += max(-(-physical // bs) - len(self.vt_manager.req_to_blocks.get(r.request_id, ())), 0)
-        for i, r in enumerate(self.waiting):  # each waiting request's first chunk, as many as may run at once
+        need = 0
+        for i, r in enumerate(self.waiting):
             if len(self.running) + i >= self.vt_max_seqs:
                 break
-            need += -(-min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) // bs)
+            need += -(-min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) // self.vt_bs)
         watermark = math.ceil(self.vt.pressure_watermark * (self.vt_pool.num_gpu_blocks - 1))
         return need + watermark - self.vt_pool.get_num_free_blocks()
 
