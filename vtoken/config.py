@@ -33,7 +33,11 @@ class VTokenConfig(BaseModel):
         description="off: stock vLLM. naive: evict tokens but hold every block that still has a live "
         "token at its original position (the Naive-Evict baseline). vtoken: evict and repack, freeing blocks.",
     )
-    policy: str = Field("h2o", description="eviction policy: h2o, scissorhands, snapkv, random, streaming")
+    policy: str = Field(
+        "snapkv",
+        description="eviction policy: snapkv (the default: h2o's attention pooled over neighbouring tokens, keeps "
+        "facts whole while a prompt is read), h2o, scissorhands, random, streaming",
+    )
     budget: float = Field(
         0.5, allow_inf_nan=False, description="live tokens kept per request: a ratio (< 1) of the context, or a count"
     )
@@ -67,11 +71,11 @@ class VTokenConfig(BaseModel):
         0.02, ge=0, lt=1, description="evict: pressure: the share of the pool's blocks kept free on top of the demand"
     )
     park_tokens: int | Literal["auto"] = Field(
-        "auto",
+        0,
         description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "
         "drops waits there, and the tokens kept when the prompt has been read are chosen among live and parked "
         "ones by the prompt's last window (the question); attention policies (h2o, scissorhands, snapkv). "
-        "auto: twice the tokens the KV pool holds. 0: no tier (what a boundary drops is lost)",
+        "auto: twice the tokens the KV pool holds. 0 (the default): no tier, what a boundary drops is lost",
     )
 
     @field_validator("park_tokens")
