@@ -72,6 +72,12 @@ QUICK = {
     "quality": lambda o: (
         {"full", "h2o@0.25", "h2o@0.25 every 2"} <= set(o["perplexity"]) and o["passkey"]["naive_equals_vtoken"]
     ),
+    "retrieval": lambda o: (
+        {"full KV", "snapkv@0.25:always", "snapkv@0.25:park", "snapkv@0.25:pressure", "random@0.25:always"}
+        <= set(o["configs"])
+        and all(0 <= c["hits"] <= o["prompts"] for c in o["configs"].values())
+        and set(o["saturated"]) == {"snapkv@0.25:pressure"}
+    ),
     "footprint": lambda o: all(r["lines"] < 30 for r in o["policies"]) and o["metadata"]["bytes_per_token"] <= 8,
 }
 

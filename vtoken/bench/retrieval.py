@@ -131,10 +131,10 @@ def run(args) -> dict:
     if args.merge:
         return merge(args.merge.split(","))
     if args.quick:
-        args.model, args.policies, args.budgets = "tiny-llama", "h2o,random", "0.25"
+        args.model, args.policies, args.budgets = "tiny-llama", "snapkv,random", "0.25"
         args.lengths, args.depths = "256", 2
         args.modes, args.prefill_chunk, args.window, args.max_tokens = "always,park,pressure", 64, 8, 4
-        args.park_tokens, args.saturate, args.saturate_kv_bytes = 4096, "h2o@0.25:pressure", 1 << 20
+        args.park_tokens, args.saturate, args.saturate_kv_bytes = 4096, "snapkv@0.25:pressure", 1 << 20
     folder = str(model_path(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
     cases = build(tok, [int(n) for n in args.lengths.split(",")], args.depths)
