@@ -162,7 +162,7 @@ def test_openai_client_on_vllm_with_the_requests_own_eviction_options(served):
         assert records[rid]["policy"] == "random" and records[rid]["budget"] == 0.25, records[rid]
     plain = c.completions.create(model="tiny-llama", prompt="Hello", max_tokens=2)
     rec = _finished_records(served)[plain.id.removeprefix("cmpl-")]
-    assert rec["policy"] == "h2o" and rec["budget"] == 0.5  # the served config's own
+    assert rec["policy"] == "snapkv" and rec["budget"] == 0.5  # the served config's own
 
 
 def test_metrics_show_blocks_reclaimed_while_an_evicting_request_runs(served):
