@@ -43,7 +43,7 @@ def capacity(snap: ClusterSnapshot) -> tuple[ReplicaCapacity, ...]:
     return tuple(
         ReplicaCapacity(
             r.name,
-            r.state,
+            str(r.state),  # the proto's string
             p.free_blocks,
             p.total_blocks,
             p.blocks_reclaimed,

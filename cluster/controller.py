@@ -1,14 +1,14 @@
 """Controller: a Ray actor that owns the replicas, aggregates their reports and places every request.
 
-Replica states: starting -> healthy -> (dead -> starting -> healthy)* -> draining -> gone.
-  * healthy: has reported since its last (re)start; the only state placement ever sees.
-  * dead: a call failed (the gateway says so) or no report for ``dead_after_s``. Ray restarts the process
-    (``max_restarts``) and the controller calls ``start()`` again; if Ray gave up, a new actor replaces it.
-  * draining: scale-in; takes no new requests, is killed once its in-flight requests are done.
+Replica statuses and their transitions: cluster/replica_status.py; creating, starting, probing, restarting and
+draining replicas: cluster/lifecycle.py (``ReplicaLifecycle``, which this class extends). Here: reports,
+promises, placement and scaling, and the one snapshot (cluster/snapshot.py) that status, ``/metrics``, the
+capacity stream, placement and the autoscaler all read.
 Promises: a request placed on a replica counts its estimated blocks against it until a report of that replica
 lists it as admitted (that report's ``free_blocks`` counts its blocks) or until the request ends, whichever
 is first. Dropping it at the first token instead would count its blocks twice while they are allocated but
-unreported (prefill), or not at all when the report is older than the admission.
+unreported (prefill), or not at all when the report is older than the admission. A replica that stops serving
+loses its promises (``ReplicaLifecycle._transition``).
 """
 
 from __future__ import annotations
@@ -17,29 +17,22 @@ import asyncio
 import collections
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import ray
 
-from actors.engines import EngineFactory
-from actors.replica import Replica
-from actors.report import ReplicaReport, unreported
+from actors.report import ReplicaReport
 from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
+from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env
 from cluster.placement import ReplicaView, make_strategy
+from cluster.replica_status import ReplicaStatus
+from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
 
 log = logging.getLogger("vtoken.controller")
-QUIET_KEYS = ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE")
-
-
-def replica_env() -> dict[str, str]:
-    """The environment replicas start with: this process's log settings (`vtoken serve` quiet or --verbose;
-    Ray passes them on from the driver to the controller), vLLM at WARNING unless set."""
-    env = {k: os.environ[k] for k in QUIET_KEYS if k in os.environ}
-    return {"VLLM_LOGGING_LEVEL": "WARNING", **env, "TOKENIZERS_PARALLELISM": "false"}
+__all__ = ["Controller", "Promise", "ReplicaState", "replica_env"]
+S = ReplicaStatus
 
 
 class Promise(NamedTuple):
@@ -50,49 +43,7 @@ class Promise(NamedTuple):
     at: float  # time.monotonic() of the placement
 
 
-@dataclass
-class ReplicaState:
-    name: str
-    handle: Any
-    state: str = "starting"
-    report: ReplicaReport = field(default_factory=unreported)
-    reported_at: float = 0.0
-    died_at: float | None = None
-    task: asyncio.Task | None = None
-    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
-    error: str = ""  # why it failed to start
-    restarted: str = ""  # the incarnation whose process was restarted because its engine died
-    alive_at: float = 0.0  # it last answered a ping (reports wait for the engine's step; pings do not)
-    probe: asyncio.Task | None = None
-
-
-def engine_factory(cfg: ServeConfig) -> EngineFactory:
-    e = cfg.engine
-    if e.kind == "fake":
-        return EngineFactory(
-            "fake",
-            {
-                "total_blocks": e.fake_total_blocks,
-                "block_size": e.block_size,
-                "token_delay_s": e.fake_token_delay_s,
-                "start_s": e.fake_start_s,
-                "reclaim_fraction": e.fake_reclaim_fraction,
-            },
-        )
-    args = {
-        "dtype": e.dtype,
-        "block_size": e.block_size,
-        "max_model_len": e.max_model_len,
-        "enforce_eager": e.enforce_eager,
-        "seed": 0,
-        **e.extra,
-    }
-    if e.kv_cache_memory_bytes:
-        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
-    return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": args})
-
-
-class Controller:
+class Controller(ReplicaLifecycle):
     def __init__(self, cfg: dict[str, Any], local: bool = True):
         self.cfg = ServeConfig(**cfg)
         self.local, self.factory = local, engine_factory(self.cfg)
@@ -119,99 +70,23 @@ class Controller:
         self._reconcile()
         self._loop = asyncio.ensure_future(self._monitor())
         t_end = time.monotonic() + timeout_s
-        while self._count("healthy") < self.target and time.monotonic() < t_end:
-            if self._count("failed"):
-                raise RuntimeError(next(st.error for st in self.replicas.values() if st.state == "failed"))
+        while self._count(S.HEALTHY) < self.target and time.monotonic() < t_end:
+            if self._count(S.FAILED):
+                raise RuntimeError(next(st.error for st in self.replicas.values() if st.state is S.FAILED))
             await asyncio.sleep(0.2)
-        return self._count("healthy")
+        return self._count(S.HEALTHY)
 
     async def shutdown(self, timeout_s: float = 30) -> list[ReplicaReport]:
         """Drain every replica and kill it; returns each replica's final report (all blocks free)."""
         if self._loop:
             self._loop.cancel()
-        finals = await asyncio.gather(*(self._drain(st, timeout_s) for st in list(self.replicas.values())))
+        finals = await asyncio.gather(*(self._drain(st, timeout_s, "shutdown") for st in list(self.replicas.values())))
         return [f for f in finals if f]
 
-    def _count(self, *states: str) -> int:
-        return sum(st.state in states for st in self.replicas.values())
-
-    def _create(self, died_at: float | None = None) -> None:
-        self.seq += 1
-        name = f"{self.cfg.name}-replica-{self.seq}"
-        r = self.cfg.replica
-        cores = self._free_cores() if r.pin_cpus else None
-        env = {**replica_env(), **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
-        handle = (
-            ray.remote(Replica)
-            .options(
-                name=name,
-                num_cpus=r.num_cpus,
-                num_gpus=r.num_gpus,
-                max_restarts=r.max_restarts,
-                max_task_retries=0,
-                max_concurrency=10000,
-                runtime_env={"env_vars": env},
-            )
-            .remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s, r.change_fraction)
-        )
-        st = ReplicaState(name, handle, died_at=died_at, cores=cores)
-        self.replicas[name] = st
-        st.task = asyncio.ensure_future(self._start_replica(st))
-        log.info("replica %s created", name)
-
-    def _free_cores(self) -> str | None:
-        """The lowest cores no live replica is bound to, ``max(1, num_cpus)`` of them ("2-3"); None when
-        the node has none left (the replica then shares cores, as without pin_cpus)."""
-        n = max(1, int(self.cfg.replica.num_cpus))
-        used = set()
-        for st in self.replicas.values():
-            if st.cores and st.state != "dead":
-                a, _, b = st.cores.partition("-")
-                used.update(range(int(a), int(b or a) + 1))
-        total = os.cpu_count() or 1
-        for start in range(0, total - n + 1):
-            if not used & set(range(start, start + n)):
-                return str(start) if n == 1 else f"{start}-{start + n - 1}"
-        return None
-
-    async def _start_replica(self, st: ReplicaState, dead: str | None = None) -> None:
-        """(Re)start the engine. Ray restarts a killed process by itself; a replica Ray gave up on
-        (restarts exhausted, node gone) is replaced by a new actor. ``dead``: the incarnation being killed,
-        which may still answer for a moment; only a new process counts as started."""
-        while True:
-            try:
-                if await st.handle.start.remote() != dead:
-                    return
-                await asyncio.sleep(0.5)
-            except ray.exceptions.ActorUnavailableError:
-                await asyncio.sleep(0.5)  # restarting: try again
-            except ray.exceptions.RayActorError as e:
-                log.warning("replica %s is gone for good (%s); replacing it", st.name, e)
-                ray.kill(st.handle, no_restart=True)
-                self.replicas.pop(st.name, None)
-                self._create(died_at=st.died_at or time.monotonic())
-                return
-            except Exception as e:  # the engine itself failed to start (bad model, too small a pool)
-                log.error("replica %s failed to start its engine: %s", st.name, e)
-                st.state, st.error = "failed", str(e)[-500:]
-                return
-
-    async def _drain(self, st: ReplicaState, timeout_s: float = 60) -> ReplicaReport | None:
-        st.state = "draining"
-        final = None
-        try:
-            final = await asyncio.wait_for(st.handle.drain.remote(timeout_s), timeout_s + 10)
-            await asyncio.wait_for(st.handle.shutdown.remote(), 30)
-        except Exception as e:  # a dead replica has nothing to drain
-            log.warning("replica %s: drain failed: %s", st.name, e)
-        ray.kill(st.handle, no_restart=True)
-        self.replicas.pop(st.name, None)
-        return final
-
-    # ------------------------------------------------------------------ reports and health
+    # ------------------------------------------------------------------ reports and promises
     async def report(self, name: str, r: ReplicaReport) -> None:
         st = self.replicas.get(name)
-        if st is None or st.state in ("draining", "failed"):
+        if st is None or not st.state.takes_reports():
             return
         if st.report.incarnation != r.incarnation:  # a new process or engine: old promises are void
             self._void_promises(name)
@@ -220,29 +95,7 @@ class Controller:
             if p is not None and p.replica == name:
                 del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
-        if st.state in ("starting", "dead") and r.healthy:
-            st.state = "healthy"
-            if st.died_at is not None:
-                self.recoveries.append(time.monotonic() - st.died_at)
-                log.info("replica %s serving again %.1fs after its death", name, self.recoveries[-1])
-                st.died_at = None
-        elif not r.healthy and st.state in ("healthy", "dead") and st.restarted != r.incarnation:
-            # The process is alive but its engine died (it may have been marked dead already for reports
-            # that stopped while its engine went down): restart the process, once per incarnation.
-            log.warning("replica %s is not serving (%s); restarting its process", name, r.error or "no engine")
-            st.state, st.died_at = "dead", st.died_at or time.monotonic()
-            self._void_promises(name)
-            st.restarted = r.incarnation
-            self._restart_process(st)
-
-    def _restart_process(self, st: ReplicaState) -> None:
-        """A fresh process and engine for a replica whose engine died: Ray restarts the killed actor
-        (``max_restarts``; if exhausted, ``_start_replica`` replaces it) and ``_start_replica`` starts it,
-        waiting past the dying incarnation."""
-        ray.kill(st.handle, no_restart=False)
-        if st.task is not None and not st.task.done():
-            st.task.cancel()  # a start that may take the dying process for a started one
-        st.task = asyncio.ensure_future(self._start_replica(st, dead=st.report.incarnation))
+        self._on_health(st, r)
 
     def _void_promises(self, name: str) -> None:
         self.promises = {k: p for k, p in self.promises.items() if p.replica != name}
@@ -256,25 +109,12 @@ class Controller:
         if any(now - p.at > ttl for p in self.promises.values()):
             self.promises = {k: p for k, p in self.promises.items() if now - p.at <= ttl}
 
-    async def mark_failed(self, name: str, why: str = "call failed") -> None:
-        st = self.replicas.get(name)
-        if st is not None and st.state in ("healthy", "starting"):
-            log.warning("replica %s marked dead: %s", name, why)
-            st.state, st.died_at = "dead", time.monotonic()
-            self._void_promises(name)
-            if st.task is None or st.task.done():
-                st.task = asyncio.ensure_future(self._start_replica(st))
-
     async def _monitor(self) -> None:
         next_scale = 0.0
         while True:
             try:
                 now = time.monotonic()
-                for st in list(self.replicas.values()):
-                    quiet = now - max(st.reported_at, st.alive_at)
-                    if st.state == "healthy" and quiet > self.cfg.placement.dead_after_s:
-                        if st.probe is None or st.probe.done():
-                            st.probe = asyncio.ensure_future(self._probe(st, now - st.reported_at))
+                self._probe_silent(now)
                 if now >= next_scale:
                     next_scale = now + 1.0
                     self._expire_promises(now)
@@ -285,16 +125,6 @@ class Controller:
             except Exception:
                 log.exception("controller monitor")
             await asyncio.sleep(0.25)
-
-    async def _probe(self, st: ReplicaState, silent_s: float) -> None:
-        """A replica silent for dead_after_s: a report waits for its engine's step (long prefills on a busy CPU
-        take seconds), so ask the actor itself before calling it dead. Engine death is reported, not silent."""
-        try:
-            await asyncio.wait_for(st.handle.ping.remote(), timeout=min(5.0, self.cfg.placement.dead_after_s))
-            st.alive_at = time.monotonic()
-            log.info("replica %s: no report for %.1fs, but it answers: busy, not dead", st.name, silent_s)
-        except Exception as e:  # no answer, or the actor is gone
-            await self.mark_failed(st.name, f"no report for {silent_s:.1f}s and no answer ({type(e).__name__})")
 
     # ------------------------------------------------------------------ scaling
     def _limit(self) -> int:
@@ -316,7 +146,8 @@ class Controller:
         return limit
 
     def _autoscale(self, now: float) -> None:
-        d = self.autoscaler.decide(now, self._views(), self.target, self._limit())
+        views = replica_views(take_snapshot(self), self.cfg.placement.stale_after_s)  # what status shows
+        d = self.autoscaler.decide(now, views, self.target, self._limit())
         if d is not None:
             log.info("autoscaler: %d -> %d replicas: %s", d.from_replicas, d.to_replicas, d.reason)
             self.decisions.append({**d._asdict(), "time": time.time()})
@@ -343,11 +174,11 @@ class Controller:
         return n
 
     def _reconcile(self) -> None:
-        active = [st for st in self.replicas.values() if st.state != "draining"]
+        active = [st for st in self.replicas.values() if st.state.active()]
         for _ in range(self.target - len(active)):
             self._create()
         if len(active) > self.target:  # drain the least busy (a dead one first)
-            order = sorted(active, key=lambda s: (s.state == "healthy", s.report.pool.running))
+            order = sorted(active, key=lambda s: (s.state.serving(), s.report.pool.running))
             for st in order[: len(active) - self.target]:
                 self._spawn(self._drain(st))
 
@@ -359,24 +190,8 @@ class Controller:
 
     # ------------------------------------------------------------------ placement
     def _views(self) -> list[ReplicaView]:
-        now, promised = time.monotonic(), collections.Counter()
-        for p in self.promises.values():
-            promised[p.replica] += p.blocks
-        return [
-            ReplicaView(
-                st.name,
-                p.free_blocks,
-                p.total_blocks,
-                promised[st.name],
-                p.running,
-                p.waiting,
-                p.blocks_reclaimed,
-                now - st.reported_at > self.cfg.placement.stale_after_s,
-            )
-            for st in self.replicas.values()
-            if st.state == "healthy"
-            for p in (st.report.pool,)
-        ]
+        """The serving replicas as placement sees them: from the same snapshot as everything else."""
+        return replica_views(take_snapshot(self), self.cfg.placement.stale_after_s)
 
     async def place(self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = ()) -> tuple | None:
         """(name, handle) of the replica chosen for the request, or None if no replica can take it now."""
@@ -402,11 +217,9 @@ class Controller:
     async def status(self) -> dict[str, Any]:
         from cluster.status import cluster_status
 
-        return cluster_status(self)
+        return cluster_status(take_snapshot(self))
 
-    async def snapshot(self):
-        """Every replica's state, last report and promised blocks, and the cumulative placement and scaling
+    async def snapshot(self) -> ClusterSnapshot:
+        """Every replica's status, last report and promised blocks, and the cumulative placement and scaling
         counts (cluster.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
-        from cluster.snapshot import take_snapshot
-
         return take_snapshot(self)

@@ -118,7 +118,7 @@ class HttpGateway:
             snap = await asyncio.wait_for(self.controller.snapshot.remote(), 5)
         except Exception:
             return JSONResponse({"status": "controller unreachable"}, 503)
-        healthy = sum(r.state == "healthy" for r in snap.replicas)
+        healthy = sum(r.state.serving() for r in snap.replicas)
         return JSONResponse({"status": "ok" if healthy else "no healthy replica", "healthy_replicas": healthy},
                             200 if healthy else 503)  # fmt: skip
 

@@ -163,7 +163,7 @@ class ClusterCollector:
         healthy = GaugeMetricFamily("vtoken:replica_healthy", "1 while the replica takes requests", labels=LABELS)
         for r in snap.replicas:
             promised.add_metric([self.model, r.name], r.promised_blocks)
-            healthy.add_metric([self.model, r.name], float(r.state == "healthy"))
+            healthy.add_metric([self.model, r.name], float(r.state.serving()))
         yield promised
         yield healthy
         placed = CounterMetricFamily(

@@ -1,9 +1,12 @@
-"""The cluster status: built from the controller's state, carried as a dict and as the proto, shown as a table."""
+"""The cluster status: built from the controller's snapshot, carried as a dict and as the proto, shown as a table."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+from cluster.replica_status import ReplicaStatus
+from cluster.snapshot import ClusterSnapshot
 
 # Status field -> PoolReport field (promised_blocks is the controller's own).
 POOL_FIELDS = {
@@ -27,36 +30,34 @@ FIELDS = (
 )
 
 
-def cluster_status(ctl) -> dict[str, Any]:
-    now = time.monotonic()
-    promised: dict[str, int] = {}
-    for p in ctl.promises.values():
-        promised[p.replica] = promised.get(p.replica, 0) + p.blocks
+def cluster_status(snap: ClusterSnapshot) -> dict[str, Any]:
+    """The status dict (what ``to_proto`` carries) from the controller's snapshot; states as plain strings."""
     rows = []
-    for st in sorted(ctl.replicas.values(), key=lambda s: s.name):
-        pool = st.report.pool
-        row = {
-            "name": st.name,
-            "state": st.state,
-            **{k: int(getattr(pool, f)) for k, f in POOL_FIELDS.items()},
-            "report_age_s": round(now - st.reported_at, 2) if st.reported_at else -1.0,
-        }
-        row["promised_blocks"] = promised.get(st.name, 0)
-        rows.append(row)
-    live = [r for r in rows if r["state"] == "healthy"]
+    for r in snap.replicas:
+        pool = r.report.pool
+        rows.append(
+            {
+                "name": r.name,
+                "state": str(r.state),
+                **{k: int(getattr(pool, f)) for k, f in POOL_FIELDS.items()},
+                "report_age_s": round(r.report_age_s, 2) if r.report_age_s >= 0 else -1.0,
+                "promised_blocks": r.promised_blocks,
+            }
+        )
+    live = [row for r, row in zip(snap.replicas, rows) if r.state.serving()]
     totals = {
         "name": "total",
-        "state": f"{len(live)}/{len(rows)} healthy",
-        **{k: sum(r[k] for r in live) for k in FIELDS},
+        "state": f"{len(live)}/{len(rows)} {ReplicaStatus.HEALTHY}",
+        **{k: sum(row[k] for row in live) for k in FIELDS},
         "report_age_s": 0.0,
     }
     return {
         "replicas": rows,
         "totals": totals,
-        "placement": ctl.cfg.placement.strategy,
-        "target_replicas": ctl.target,
-        "decisions": list(ctl.decisions),
-        "last_recovery_s": ctl.recoveries[-1] if ctl.recoveries else 0.0,
+        "placement": snap.strategy,
+        "target_replicas": snap.target,
+        "decisions": list(snap.recent_decisions),
+        "last_recovery_s": snap.last_recovery_s,
     }
 
 

@@ -17,6 +17,7 @@ from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
 from cluster.controller import Controller, ReplicaState
 from cluster.dispatch import failure
+from cluster.replica_status import ReplicaStatus
 
 Code = grpc.StatusCode
 
@@ -150,7 +151,7 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
         await ctl.report("a", _report("a", healthy=False, free=0, error="engine died: x"))  # a late report
         assert restarted == ["a"]
         await ctl.report("a", _report("a", incarnation="i2", free=64))
-        ctl.replicas["a"].state = "dead"  # no report for dead_after_s while its engine went down
+        ctl.replicas["a"].state = ReplicaStatus.DEAD  # no report for dead_after_s while its engine went down
         await ctl.report("a", _report("a", incarnation="i2", healthy=False, error="engine died: y"))
         assert restarted == ["a", "a"] and ctl.replicas["a"].state == "dead"
         assert (await ctl.place("p", 4))[0] == "b"
@@ -185,7 +186,7 @@ def test_a_silent_replica_that_answers_a_ping_is_busy_not_dead():
 
     async def mark_failed(name, why=""):
         marked.append(name)
-        ctl.replicas[name].state = "dead"
+        ctl.replicas[name].state = ReplicaStatus.DEAD
 
     ctl.mark_failed = mark_failed
 

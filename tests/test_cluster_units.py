@@ -266,6 +266,7 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
 
     from actors.report import empty_pool, unreported
     from cluster.controller import Controller, ReplicaState
+    from cluster.replica_status import ReplicaStatus
 
     ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
     now = time.monotonic()
@@ -289,7 +290,7 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
     assert sum(p.blocks for p in ctl.promises.values()) == 16
     asyncio.run(ctl.finished("r0"))
     assert "r0" not in ctl.promises
-    ctl.replicas["ok"].state = ctl.replicas["old"].state = "dead"
+    ctl.replicas["ok"].state = ctl.replicas["old"].state = ReplicaStatus.DEAD
     assert asyncio.run(ctl.place("x", 1)) is None
 
 
@@ -344,7 +345,8 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
             return self.now
 
     clock = Clock()
-    monkeypatch.setattr("cluster.controller.time", clock)
+    for module in ("controller", "lifecycle", "snapshot"):
+        monkeypatch.setattr(f"cluster.{module}.time", clock)
     ctl = Controller(
         parse_config({"model": "fake", "engine": {"kind": "fake"}, "placement": {"promise_ttl_s": 10}}).model_dump()
     )
@@ -517,11 +519,12 @@ def test_accepted_eviction_options_become_request_args_and_bound_the_block_estim
 
 def _snapshot(**pool):
     from actors.report import ReplicaReport, empty_pool
+    from cluster.replica_status import ReplicaStatus
     from cluster.snapshot import ClusterSnapshot, ReplicaSnapshot
 
     p = empty_pool(32)._replace(**pool)
     return ClusterSnapshot(
-        (ReplicaSnapshot("r1", "healthy", ReplicaReport("r1", "i", True, False, 0, 1.0, p), 3),),
+        (ReplicaSnapshot("r1", ReplicaStatus.HEALTHY, ReplicaReport("r1", "i", True, False, 0, 1.0, p), 3),),
         {("free_blocks", "r1"): 5},
         {("out", "manual"): 1},
         1.0,

@@ -1,0 +1,247 @@
+"""The replica lifecycle: create, start, probe, restart, drain, and the one place a replica's status changes.
+
+``ReplicaLifecycle`` is the controller's half that owns the Ray actors; the controller (cluster/controller.py)
+adds placement, promises, reports and scaling on top. Every status change goes through ``_transition``,
+which checks it against ``replica_status.TRANSITIONS``, voids the replica's promises whenever it does not
+serve afterwards (a promise counts blocks against a replica only placement can pick), keeps the death and
+recovery times, and logs the change with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.engines import EngineFactory
+from actors.replica import Replica
+from actors.report import ReplicaReport, unreported
+from cluster.config import ServeConfig
+from cluster.replica_status import ReplicaStatus, check_transition
+
+log = logging.getLogger("vtoken.controller")
+QUIET_KEYS = ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE")
+S = ReplicaStatus
+
+
+def replica_env() -> dict[str, str]:
+    """The environment replicas start with: this process's log settings (`vtoken serve` quiet or --verbose;
+    Ray passes them on from the driver to the controller), vLLM at WARNING unless set."""
+    env = {k: os.environ[k] for k in QUIET_KEYS if k in os.environ}
+    return {"VLLM_LOGGING_LEVEL": "WARNING", **env, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def engine_factory(cfg: ServeConfig) -> EngineFactory:
+    e = cfg.engine
+    if e.kind == "fake":
+        return EngineFactory(
+            "fake",
+            {
+                "total_blocks": e.fake_total_blocks,
+                "block_size": e.block_size,
+                "token_delay_s": e.fake_token_delay_s,
+                "start_s": e.fake_start_s,
+                "reclaim_fraction": e.fake_reclaim_fraction,
+            },
+        )
+    args = {
+        "dtype": e.dtype,
+        "block_size": e.block_size,
+        "max_model_len": e.max_model_len,
+        "enforce_eager": e.enforce_eager,
+        "seed": 0,
+        **e.extra,
+    }
+    if e.kv_cache_memory_bytes:
+        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
+    return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": args})
+
+
+@dataclass
+class ReplicaState:
+    """One replica as the controller knows it. ``state`` changes only in ``ReplicaLifecycle._transition``."""
+
+    name: str
+    handle: Any
+    state: ReplicaStatus = S.STARTING
+    report: ReplicaReport = field(default_factory=unreported)
+    reported_at: float = 0.0
+    died_at: float | None = None  # when it (or the replica it replaces) stopped serving; None while serving
+    task: asyncio.Task | None = None
+    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
+    error: str = ""  # why it failed to start
+    restarted: str = ""  # the incarnation whose process was restarted because its engine died
+    alive_at: float = 0.0  # it last answered a ping (reports wait for the engine's step; pings do not)
+    probe: asyncio.Task | None = None
+
+    def __post_init__(self):
+        self.state = ReplicaStatus(self.state)  # "healthy" -> ReplicaStatus.HEALTHY; an unknown one raises
+
+
+class ReplicaLifecycle:
+    """The replicas' actors and statuses. The controller inherits it and provides ``cfg``, ``factory``,
+    ``replicas`` (name -> ReplicaState, a replica leaves it only through ``_remove``), ``seq``, ``recoveries``
+    and ``_void_promises(name)``."""
+
+    cfg: ServeConfig
+    factory: EngineFactory
+    replicas: dict[str, ReplicaState]
+    seq: int
+    recoveries: Any  # deque of seconds from a death to serving again
+
+    def _void_promises(self, name: str) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ status
+    def _transition(self, st: ReplicaState, to: ReplicaStatus, why: str) -> None:
+        """The only place a replica's status changes: checked against the table, promises voided on every
+        path that ends outside serving, death and recovery times kept, logged."""
+        frm = ReplicaStatus(st.state)
+        check_transition(st.name, frm, to, why)
+        st.state = to
+        if not to.serving():
+            self._void_promises(st.name)
+        now = time.monotonic()
+        if to is S.DEAD:
+            st.died_at = st.died_at or now
+        extra = ""
+        if to is S.HEALTHY and st.died_at is not None:
+            self.recoveries.append(now - st.died_at)
+            st.died_at, extra = None, f", serving again {self.recoveries[-1]:.1f}s after its death"
+        level = {S.FAILED: logging.ERROR, S.DEAD: logging.WARNING}.get(to, logging.INFO)
+        log.log(level, "replica %s: %s -> %s: %s%s", st.name, frm, to, why, extra)
+
+    def _count(self, *states: ReplicaStatus) -> int:
+        return sum(st.state in states for st in self.replicas.values())
+
+    def _remove(self, st: ReplicaState, why: str) -> None:
+        self.replicas.pop(st.name, None)
+        self._void_promises(st.name)
+        log.info("replica %s removed: %s", st.name, why)
+
+    # ------------------------------------------------------------------ create, start, restart, drain
+    def _create(self, died_at: float | None = None) -> None:
+        self.seq += 1
+        name = f"{self.cfg.name}-replica-{self.seq}"
+        r = self.cfg.replica
+        cores = self._free_cores() if r.pin_cpus else None
+        env = {**replica_env(), **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
+        handle = (
+            ray.remote(Replica)
+            .options(
+                name=name,
+                num_cpus=r.num_cpus,
+                num_gpus=r.num_gpus,
+                max_restarts=r.max_restarts,
+                max_task_retries=0,
+                max_concurrency=10000,
+                runtime_env={"env_vars": env},
+            )
+            .remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s, r.change_fraction)
+        )
+        st = ReplicaState(name, handle, died_at=died_at, cores=cores)
+        self.replicas[name] = st
+        st.task = asyncio.ensure_future(self._start_replica(st))
+        log.info("replica %s created", name)
+
+    def _free_cores(self) -> str | None:
+        """The lowest cores no live replica is bound to, ``max(1, num_cpus)`` of them ("2-3"); None when
+        the node has none left (the replica then shares cores, as without pin_cpus)."""
+        n = max(1, int(self.cfg.replica.num_cpus))
+        used = set()
+        for st in self.replicas.values():
+            if st.cores and st.state is not S.DEAD:
+                a, _, b = st.cores.partition("-")
+                used.update(range(int(a), int(b or a) + 1))
+        total = os.cpu_count() or 1
+        for start in range(0, total - n + 1):
+            if not used & set(range(start, start + n)):
+                return str(start) if n == 1 else f"{start}-{start + n - 1}"
+        return None
+
+    async def _start_replica(self, st: ReplicaState, dead: str | None = None) -> None:
+        """(Re)start the engine. Ray restarts a killed process by itself; a replica Ray gave up on
+        (restarts exhausted, node gone) is replaced by a new actor. ``dead``: the incarnation being killed,
+        which may still answer for a moment; only a new process counts as started."""
+        while True:
+            try:
+                if await st.handle.start.remote() != dead:
+                    return
+                await asyncio.sleep(0.5)
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(0.5)  # restarting: try again
+            except ray.exceptions.RayActorError as e:
+                log.warning("replica %s is gone for good (%s); replacing it", st.name, e)
+                ray.kill(st.handle, no_restart=True)
+                self._remove(st, "replaced")
+                self._create(died_at=st.died_at or time.monotonic())
+                return
+            except Exception as e:  # the engine itself failed to start (bad model, too small a pool)
+                st.error = str(e)[-500:]
+                if st.state is not S.DRAINING:  # a replica being drained is on its way out anyway
+                    self._transition(st, S.FAILED, f"its engine failed to start: {e}")
+                return
+
+    def _restart_process(self, st: ReplicaState) -> None:
+        """A fresh process and engine for a replica whose engine died: Ray restarts the killed actor
+        (``max_restarts``; if exhausted, ``_start_replica`` replaces it) and ``_start_replica`` starts it,
+        waiting past the dying incarnation."""
+        ray.kill(st.handle, no_restart=False)
+        if st.task is not None and not st.task.done():
+            st.task.cancel()  # a start that may take the dying process for a started one
+        st.task = asyncio.ensure_future(self._start_replica(st, dead=st.report.incarnation))
+
+    async def _drain(self, st: ReplicaState, timeout_s: float = 60, why: str = "scale-in") -> ReplicaReport | None:
+        if st.state is not S.DRAINING:  # shutdown drains a replica that scale-in is draining already
+            self._transition(st, S.DRAINING, why)
+        final = None
+        try:
+            final = await asyncio.wait_for(st.handle.drain.remote(timeout_s), timeout_s + 10)
+            await asyncio.wait_for(st.handle.shutdown.remote(), 30)
+        except Exception as e:  # a dead replica has nothing to drain
+            log.warning("replica %s: drain failed: %s", st.name, e)
+        ray.kill(st.handle, no_restart=True)
+        self._remove(st, "drained")
+        return final
+
+    # ------------------------------------------------------------------ health
+    def _on_health(self, st: ReplicaState, r: ReplicaReport) -> None:
+        """A report's part in the replica's status (the caller has checked ``st.state.takes_reports()``)."""
+        if st.state in (S.STARTING, S.DEAD) and r.healthy:
+            self._transition(st, S.HEALTHY, "reported healthy")
+        elif not r.healthy and st.state in (S.HEALTHY, S.DEAD) and st.restarted != r.incarnation:
+            # The process is alive but its engine died (it may have been marked dead already for reports
+            # that stopped while its engine went down): restart the process, once per incarnation.
+            self._transition(st, S.DEAD, f"not serving ({r.error or 'no engine'}); restarting its process")
+            st.restarted = r.incarnation
+            self._restart_process(st)
+
+    async def mark_failed(self, name: str, why: str = "call failed") -> None:
+        st = self.replicas.get(name)
+        if st is not None and st.state in (S.HEALTHY, S.STARTING):
+            self._transition(st, S.DEAD, why)
+            if st.task is None or st.task.done():
+                st.task = asyncio.ensure_future(self._start_replica(st))
+
+    def _probe_silent(self, now: float) -> None:
+        """Probe every serving replica with no report nor ping answer for ``dead_after_s``."""
+        for st in list(self.replicas.values()):
+            quiet = now - max(st.reported_at, st.alive_at)
+            if st.state is S.HEALTHY and quiet > self.cfg.placement.dead_after_s:
+                if st.probe is None or st.probe.done():
+                    st.probe = asyncio.ensure_future(self._probe(st, now - st.reported_at))
+
+    async def _probe(self, st: ReplicaState, silent_s: float) -> None:
+        """A replica silent for dead_after_s: a report waits for its engine's step (long prefills on a busy CPU
+        take seconds), so ask the actor itself before calling it dead. Engine death is reported, not silent."""
+        try:
+            await asyncio.wait_for(st.handle.ping.remote(), timeout=min(5.0, self.cfg.placement.dead_after_s))
+            st.alive_at = time.monotonic()
+            log.info("replica %s: no report for %.1fs, but it answers: busy, not dead", st.name, silent_s)
+        except Exception as e:  # no answer, or the actor is gone
+            await self.mark_failed(st.name, f"no report for {silent_s:.1f}s and no answer ({type(e).__name__})")
