@@ -44,6 +44,7 @@ class FleetConfig:
     budget: float = 0.5
     sink: int = 4
     recent: int = 16
+    seed: int = 0
     check: bool = False  # tests: every replica's check_integrity() after every event
 
 
@@ -64,6 +65,8 @@ class Fleet:
     def __init__(self, cfg: FleetConfig, cal: Calibration):
         self.cfg, self.cal = cfg, cal
         self.strategy = make_strategy(cfg.strategy)
+        if hasattr(self.strategy, "rng"):  # power_of_two draws at random: the same seed, the same run
+            self.strategy.rng.seed(cfg.seed)
         self.autoscaler = Autoscaler(cfg.autoscaling) if cfg.autoscaling and cfg.autoscaling.enabled else None
         self.limits = Limits(cal.block_size, cal.max_num_batched_tokens, cal.max_num_seqs, cfg.prefill_chunk)
         self.steps = cal.steps(cfg.mode)
