@@ -13,15 +13,23 @@ on this machine, a few minutes). It reports:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from vtoken.bench.report import Table
 
+MEASURED = Path(__file__).resolve().parents[2] / "docs" / "results" / "fleet_measured_goodput.json"
 QUICK = {"sweep_replicas": 4, "scale": 16, "horizon": 8.0, "day_s": 240.0, "day_peak_replicas": 4}
 
 
 def add_args(p) -> None:
     p.add_argument("--calibration", help="calibration JSON (default: docs/results/fleet_calibration.json)")
+    p.add_argument(
+        "--measured",
+        default=str(MEASURED),
+        help="a `vtoken bench goodput` JSON to validate against (the simulator's error per strategy)",
+    )
     p.add_argument("--calibrate", action="store_true", help="first measure the engine and rewrite the calibration")
     p.add_argument(
         "--strategies",
@@ -51,6 +59,8 @@ def run(args) -> dict:
     rr = setups[1]
     out: dict[str, Any] = {"calibration": {**cal.meta, "goodput_shape": cal.goodput}, "spec": _spec(spec)}
     out["validation"] = study.validate(cal)
+    if args.measured and Path(args.measured).exists():
+        out["validation"]["measured"] = _against(out["validation"], json.loads(Path(args.measured).read_text()))
 
     # Load grid, per replica: doubling until vtoken+round_robin misses the SLA, then quarters of that rate.
     n = a["sweep_replicas"]
@@ -95,6 +105,21 @@ def run(args) -> dict:
     return out
 
 
+def _against(sim: dict, measured: dict) -> dict[str, Any]:
+    """Goodput per round, simulated against measured: the relative error per strategy."""
+    rounds = measured["rounds"]
+    out = {"file_command": measured.get("command"), "rounds": rounds, "strategies": {}}
+    for s, got in measured["goodput"].items():
+        if s in sim["goodput"]:
+            m = got / rounds
+            out["strategies"][s] = {
+                "measured_per_round": m,
+                "simulated": sim["goodput"][s],
+                "error": round(sim["goodput"][s] / m - 1, 3) if m else None,
+            }
+    return out
+
+
 def _spec(spec) -> dict[str, Any]:
     from dataclasses import asdict
 
@@ -130,11 +155,30 @@ def _targets(out: dict, setups) -> dict[str, Any]:
 
 def tables(result: dict) -> list[Table]:
     v = result["validation"]
+    meas = v.get("measured", {}).get("strategies", {})
     t = [
         Table(
             f"Validation: vtoken bench goodput's load in the simulator (2 replicas, deadline {v['deadline_s']:.2f} s)",
-            ["placement", "completed within deadline", "of", "heavy requests per replica"],
-            [[s, v["goodput"][s], v["requests"], v["runs"][s]["heavy_per_replica"]] for s in v["goodput"]],
+            [
+                "placement",
+                "simulated: within deadline",
+                "of",
+                "heavy requests per replica",
+                "measured per round",
+                "error",
+            ],
+            [
+                [
+                    s,
+                    v["goodput"][s],
+                    v["requests"],
+                    v["runs"][s]["heavy_per_replica"],
+                    meas.get(s, {}).get("measured_per_round", "-"),
+                    f"{meas[s]['error']:+.1%}" if meas.get(s, {}).get("error") is not None else "-",
+                ]
+                for s in v["goodput"]
+            ],
+            f"Measured: `{v['measured']['file_command']}` ({v['measured']['rounds']} rounds)" if meas else "",
         )
     ]
     sw = result["sweep"]
