@@ -30,33 +30,38 @@ TRACE_PROMPTS = (40, 150, 400, 800, 1400)
 TRACE_OUTPUT = 300
 
 
-def _timed_steps(llm, samples: list[tuple[float, int, int, int]]):
+def _timed_steps(llm, samples: list[tuple[float, int, int, int, int]]):
     """Wraps the in-process scheduler's ``schedule`` (VLLM_ENABLE_V1_MULTIPROCESSING=0): each call appends
-    (start time, decode seqs, prefill tokens, prefill seqs). A request scheduled one token is a decode."""
+    (start time, decode seqs, prefill tokens, prefill seqs, live tokens of the decoding requests). A request
+    scheduled one token is a decode."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     orig = sched.schedule
 
     def schedule(*a, **kw):
         t = time.perf_counter()
         out = orig(*a, **kw)
-        n = list(out.num_scheduled_tokens.values())
+        n = out.num_scheduled_tokens
         if n:
-            samples.append((t, sum(1 for x in n if x == 1), sum(x for x in n if x > 1), sum(1 for x in n if x > 1)))
+            dec = [rid for rid, x in n.items() if x == 1]
+            live = sum(st.table.num_live for st in map(sched.vt_core.states.get, dec) if st is not None)
+            pre = [x for x in n.values() if x > 1]
+            samples.append((t, len(dec), sum(pre), len(pre), live))
         return out
 
     sched.schedule = schedule
 
 
-def _durations(samples) -> list[tuple[float, int, int, int]]:
+def _durations(samples) -> list[tuple[float, int, int, int, int]]:
     """Step k lasts until step k+1 starts; the last of a batch has no end and is dropped."""
     return [(b[0] - a[0], *a[1:]) for a, b in zip(samples, samples[1:])]
 
 
-def fit_steps(rows: list[tuple[float, int, int, int]]) -> tuple[StepTime, dict[str, float]]:
+def fit_steps(rows: list[tuple[float, int, int, int, int]]) -> tuple[StepTime, dict[str, float]]:
+    """Least squares over (seconds, decode seqs, prefill tokens, prefill seqs, decode live tokens)."""
     import numpy as np
 
     y = np.array([r[0] for r in rows])
-    x = np.array([[1.0, r[1], r[2], r[3]] for r in rows])
+    x = np.array([[1.0, r[1], r[2], r[3], r[4]] for r in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     coef = np.maximum(coef, 0.0)  # a negative cost would be noise, and would make some batches free
     pred = x @ coef

@@ -4,7 +4,10 @@ Two models, both fitted from vLLM runs with vToken on this machine:
 
 - ``StepTime``: seconds of one engine step from what it schedules, least squares over measured steps::
 
-      step_s = base + per_decode * decode_seqs + per_prefill_token * prefill_tokens + per_prefill_seq * prefill_seqs
+      step_s = base + per_decode * decode_seqs + per_decode_kv * live tokens of the decoding requests
+             + per_prefill_token * prefill_tokens + per_prefill_seq * prefill_seqs
+
+  (a decoding request's attention reads its live tokens: vToken packs them, so eviction makes decodes cheaper)
 
 - ``BlockProfile``: blocks a request holds during a forward, from the engine's per-request trace
   (``blocks_per_forward``) for one (mode, prefill_evict, prefill_chunk) under the calibrated policy and
@@ -31,13 +34,15 @@ class StepTime:
     per_decode: float
     per_prefill_token: float
     per_prefill_seq: float
+    per_decode_kv: float = 0.0
 
-    def seconds(self, decode_seqs: int, prefill_tokens: int, prefill_seqs: int) -> float:
+    def seconds(self, decode_seqs: int, prefill_tokens: int, prefill_seqs: int, decode_kv: int = 0) -> float:
         return (
             self.base
             + self.per_decode * decode_seqs
             + self.per_prefill_token * prefill_tokens
             + self.per_prefill_seq * prefill_seqs
+            + self.per_decode_kv * decode_kv
         )
 
 

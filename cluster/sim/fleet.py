@@ -68,7 +68,14 @@ class Fleet:
         if hasattr(self.strategy, "rng"):  # power_of_two draws at random: the same seed, the same run
             self.strategy.rng.seed(cfg.seed)
         self.autoscaler = Autoscaler(cfg.autoscaling) if cfg.autoscaling and cfg.autoscaling.enabled else None
-        self.limits = Limits(cal.block_size, cal.max_num_batched_tokens, cal.max_num_seqs, cfg.prefill_chunk)
+        self.limits = Limits(
+            cal.block_size,
+            cal.max_num_batched_tokens,
+            cal.max_num_seqs,
+            cfg.prefill_chunk,
+            cal.meta.get("budget", cfg.budget) if cfg.mode != "off" else None,
+            cfg.sink + cfg.recent,
+        )
         self.steps = cal.steps(cfg.mode)
         self.profiles = {pe: cal.profile(cfg.mode, pe, cfg.prefill_chunk) for pe in (True, False)}
         self.replicas: dict[str, Replica] = {}

@@ -12,13 +12,16 @@ The step lasts ``StepTime.seconds`` of what it scheduled; its tokens take effect
 
 A **decode run** stands for many identical steps at once (the simulator's only shortcut, exact for what it
 covers): when nothing waits and every running request decodes, the next ``k`` steps schedule the same
-requests, last the same time and only grow blocks, so they are simulated as one event up to the first
-completion or the first step whose blocks would not fit. An arrival or cancellation ends the run at the end
-of the step in progress (``interrupt``), as the real scheduler would see it at its next ``schedule``.
+requests and only grow blocks, so they are simulated as one event up to the first completion or the first
+step whose blocks would not fit; their attention reads a few more live tokens each step, so they are all
+timed at the run's middle (exact when the step model has no live-token term). An arrival or cancellation
+ends the run at the end of the step in progress (``interrupt``), as the real scheduler would see it at its
+next ``schedule``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -45,6 +48,15 @@ class Limits:
     max_num_batched_tokens: int
     max_num_seqs: int
     prefill_chunk: int | None = None
+    budget: float | None = 0.5  # the policy's budget (None: no eviction): what a decode's attention reads
+    protected: int = 20  # sink + recent tokens, never evicted
+
+    def live(self, ctx: int) -> int:
+        """Live tokens of a request at ``ctx`` tokens (a ratio or a count budget, as the policies keep)."""
+        if not self.budget:
+            return ctx
+        kept = math.ceil(self.budget * ctx) if self.budget < 1 else int(self.budget)
+        return min(ctx, max(kept, self.protected))
 
 
 class Replica:
@@ -128,8 +140,9 @@ class Replica:
             return None
         decodes = sum(1 for x in sched if not x[2])
         pre_tokens = sum(x[1] for x in sched if x[2])
+        kv = sum(self.lim.live(s.req.prompt + s.out) for s, _, prefill, _ in sched if not prefill)
         self.step = sched
-        self.ends_at = now + self.st.seconds(decodes, pre_tokens, len(sched) - decodes)
+        self.ends_at = now + self.st.seconds(decodes, pre_tokens, len(sched) - decodes, kv)
         return self.ends_at
 
     def _preempt(self, s: Seq) -> None:
@@ -151,7 +164,9 @@ class Replica:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if self._run_need(mid) <= self.pool else (lo, mid - 1)
             k = lo
-        return k, self.st.seconds(len(self.running), 0, 0)
+        # Live tokens grow by about budget x k over the run: its steps are timed at the run's middle.
+        kv = sum(self.lim.live(s.req.prompt + s.out + k // 2) for s in self.running)
+        return k, self.st.seconds(len(self.running), 0, 0, kv)
 
     def _run_need(self, j: int) -> int:
         bs = self.lim.block_size

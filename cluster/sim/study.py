@@ -16,6 +16,7 @@ from cluster.config import AutoscalingConfig
 from cluster.sim.calibration import Calibration
 from cluster.sim.fleet import Fleet as _Fleet
 from cluster.sim.fleet import FleetConfig, Outcome
+from cluster.sim.replica import Limits
 from cluster.sim.workload import (
     LengthSpec,
     Request,
@@ -54,11 +55,13 @@ SETUPS = (
 
 
 def alone_s(cal: Calibration, mode: str, chunk: int | None, prompt: int, output: int) -> float:
-    """A request's latency on an idle replica: its prefill chunks, then one decode step per further token."""
+    """A request's latency on an idle replica: its prefill chunks, then one decode step per further token
+    (reading about the live tokens at its middle)."""
     st, cap = cal.steps(mode), chunk or cal.max_num_batched_tokens
     full, rest = divmod(prompt, cap)
     pre = full * st.seconds(0, cap, 1) + (st.seconds(0, rest, 1) if rest else 0.0)
-    return pre + (output - 1) * st.seconds(1, 0, 0)
+    lim = Limits(cal.block_size, cap, 1, chunk, cal.meta.get("budget", 0.5) if mode != "off" else None)
+    return pre + (output - 1) * st.seconds(1, 0, 0, lim.live(prompt + output // 2))
 
 
 def simulate(cal: Calibration, cfg: FleetConfig, reqs: list[Request], until: float | None = None) -> Outcome:
