@@ -163,3 +163,28 @@ def _goodput_shape(model_dir: str, skewed_load, kv_bytes: int) -> dict[str, int]
         "light_output": light_out,
         "pool_blocks": math.floor(kv_bytes / block_bytes) - 1,  # vLLM keeps one null block
     }
+
+
+def serving(cal: Calibration, goodput_json: dict[str, Any]) -> Calibration:
+    """Adds the serving path's cost per streamed token from a ``vtoken bench goodput`` run: its heavy request
+    alone (``heavy_alone_s``, through the gateway, a replica actor and AsyncLLM) against the same request
+    in the offline step model, spread over its decode steps. One number; the same run's waves of concurrent
+    requests are left to check it (``study.validate``)."""
+    from dataclasses import replace
+
+    from cluster.sim.study import alone_s
+
+    g = cal.goodput
+    offline = alone_s(cal, "vtoken", None, g["heavy_prompt"], g["heavy_output"])
+    per_stream = max(0.0, (goodput_json["heavy_alone_s"] - offline) / (g["heavy_output"] - 1))
+    meta = {
+        **cal.meta,
+        "serving": {
+            "per_stream_s": per_stream,
+            "heavy_alone_measured_s": goodput_json["heavy_alone_s"],
+            "heavy_alone_offline_s": offline,
+            "from": goodput_json.get("command"),
+        },
+    }
+    steps = {m: replace(st, per_stream=per_stream) for m, st in cal.step_time.items()}
+    return replace(cal, step_time=steps, meta=meta)

@@ -9,6 +9,10 @@ Two models, both fitted from vLLM runs with vToken on this machine:
 
   (a decoding request's attention reads its live tokens: vToken packs them, so eviction makes decodes cheaper)
 
+  plus ``per_stream`` per decoding request: what serving adds to each token (the engine's output processing in
+  the replica actor, Ray's streaming, the gateway), which the offline engine runs above do not see. It is
+  taken from a measured serving run, a heavy request alone (``calibrate.serving``).
+
 - ``BlockProfile``: blocks a request holds during a forward, from the engine's per-request trace
   (``blocks_per_forward``) for one (mode, prefill_evict, prefill_chunk) under the calibrated policy and
   budget. Stored as a ratio of the blocks the whole context would take (``ceil(ctx / bs) + 1``) by context
@@ -35,11 +39,12 @@ class StepTime:
     per_prefill_token: float
     per_prefill_seq: float
     per_decode_kv: float = 0.0
+    per_stream: float = 0.0  # the serving path, per token streamed (AsyncLLM, the Ray actor, the gateway)
 
     def seconds(self, decode_seqs: int, prefill_tokens: int, prefill_seqs: int, decode_kv: int = 0) -> float:
         return (
             self.base
-            + self.per_decode * decode_seqs
+            + (self.per_decode + self.per_stream) * decode_seqs
             + self.per_prefill_token * prefill_tokens
             + self.per_prefill_seq * prefill_seqs
             + self.per_decode_kv * decode_kv

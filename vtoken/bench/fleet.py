@@ -30,6 +30,12 @@ def add_args(p) -> None:
         default=str(MEASURED),
         help="a `vtoken bench goodput` JSON to validate against (the simulator's error per strategy)",
     )
+    p.add_argument(
+        "--serving-from",
+        default=str(MEASURED.with_name("goodput.json")),
+        help="--calibrate: the goodput run whose heavy request alone gives the serving path's cost per token "
+        "(an earlier run than --measured, so the validation is against a run the calibration never saw)",
+    )
     p.add_argument("--calibrate", action="store_true", help="first measure the engine and rewrite the calibration")
     p.add_argument(
         "--strategies",
@@ -49,7 +55,8 @@ def run(args) -> dict:
     from cluster.sim import calibrate, calibration, study
 
     if args.calibrate:
-        calibration.save(calibrate.run(), args.calibration)
+        fresh = calibrate.serving(calibrate.run(), json.loads(Path(args.serving_from).read_text()))
+        calibration.save(fresh, args.calibration)
     cal = calibration.load(args.calibration)
     a = {**vars(args), **(QUICK if args.quick else {})}
     spec = study.FleetSpec(horizon_s=a["horizon"], arrivals=args.arrivals, seed=args.seed)
