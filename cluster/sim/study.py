@@ -106,9 +106,9 @@ def validate(cal: Calibration, strategies=("free_blocks", "round_robin"), factor
 class FleetSpec:
     """The simulated fleet's replicas and load (tiny-llama on one core each; pools of two sizes)."""
 
-    pools: tuple[int, ...] = (64, 128)
+    pools: tuple[int, ...] = (32, 64)  # KV pools near the goodput replicas' 44 blocks: memory binds
     prefill_chunk: int | None = 128
-    lengths: LengthSpec = LengthSpec()
+    lengths: LengthSpec = LengthSpec(prompt_median=300)
     sla: Sla = Sla()
     horizon_s: float = 30.0
     arrivals: str = "poisson"  # or "bursts"
@@ -151,7 +151,8 @@ def sweep(cal: Calibration, spec: FleetSpec, setups, replicas: int, rates: list[
 
 def replicas_needed(cal: Calibration, spec: FleetSpec, setup: Setup, rate: float, guess: int) -> dict[str, Any]:
     """The fewest replicas meeting the SLA at ``rate`` (bisection from ``guess``; attainment grows with
-    replicas). Each probe is a full simulation of the horizon."""
+    replicas). Each probe is a full simulation of the horizon. ``replicas`` is None when even 8 x ``guess``
+    replicas miss the SLA."""
     tried: dict[int, float] = {}
 
     def ok(n: int) -> bool:
@@ -161,6 +162,8 @@ def replicas_needed(cal: Calibration, spec: FleetSpec, setup: Setup, rate: float
 
     lo, hi = max(1, guess // 2), max(2, guess)
     while not ok(hi):
+        if hi >= 8 * guess:  # a strategy that piles work on few replicas gains nothing from more of them
+            return {"replicas": None, "attainment": tried[hi], "probes": dict(sorted(tried.items()))}
         lo, hi = hi, hi * 2
     while ok(lo) and lo > 1:
         lo, hi = max(1, lo // 2), lo

@@ -33,7 +33,7 @@ class LengthSpec:
     prompt_sigma: float = 1.0
     output_median: float = 64
     output_sigma: float = 0.8
-    max_model_len: int = 2048
+    max_model_len: int = 1024  # the serving config's default; every request fits the smallest pool unevicted
     keep_prompt_share: float = 0.2  # requests with prefill_evict=False
 
 
