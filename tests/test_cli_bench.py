@@ -81,6 +81,7 @@ QUICK = {
         and any(k.endswith("+autoscaler") for k in o["day"]["results"])
         and all(0 <= r["attainment"] <= 1 and r["replica_hours"] > 0 for r in o["day"]["results"].values())
         and {"replica_hours_target_met", "goodput_target_met"} <= set(o["targets"])
+        and set(o["bursts"]["results"]) == set(o["sweep"]["results"])
     ),
 }
 
