@@ -80,10 +80,47 @@ class PowerOfTwo(PlacementStrategy):
         return max(pair, key=lambda r: (r.effective_free, -r.waiting))
 
 
+class BestFit(PlacementStrategy):
+    """The replica whose effective free capacity fits the request most tightly: small requests fill the gaps of
+    busy replicas and whole replicas stay open for long ones (first-fit-decreasing's reasoning, applied online).
+    ``need_blocks`` should be what the request will really hold (the gateway's estimate under its budget).
+    When nothing fits, the most effective free capacity, like ``free_blocks``; stale reports only as a last
+    resort; ties go to the fewest waiting, then running, requests."""
+
+    def choose(self, replicas, need_blocks):
+        fits = [r for r in replicas if r.effective_free >= need_blocks and not r.stale]
+        if not fits:
+            return FreeBlocks().choose(replicas, need_blocks)
+        return min(fits, key=lambda r: (r.effective_free, r.waiting, r.running, r.name))
+
+
+class Weighted(PlacementStrategy):
+    """A weighted score over the replicas that fit the request, as llm-d's scheduler sums its scorers: the share
+    of the pool effectively free, less the running and waiting requests, each against the busiest replica.
+    Free blocks alone send a large pool twice the requests of a small one, though both compute at the same
+    speed; the running term spreads the compute. Replicas that fit come first; stale reports last."""
+
+    def __init__(self, w_free: float = 1.0, w_running: float = 1.0, w_waiting: float = 1.0):
+        self.w = (w_free, w_running, w_waiting)
+
+    def choose(self, replicas, need_blocks):
+        most_running = max(r.running for r in replicas) or 1
+        most_waiting = max(r.waiting for r in replicas) or 1
+        wf, wr, ww = self.w
+
+        def score(r: ReplicaView) -> float:
+            free = r.effective_free / r.total_blocks if r.total_blocks else 0.0
+            return wf * free - wr * r.running / most_running - ww * r.waiting / most_waiting
+
+        return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, score(r), r.name))
+
+
 STRATEGIES: dict[str, Callable[[], PlacementStrategy]] = {
     "free_blocks": FreeBlocks,
     "round_robin": RoundRobin,
     "power_of_two": PowerOfTwo,
+    "best_fit": BestFit,
+    "weighted": Weighted,
 }
 
 

@@ -79,13 +79,23 @@ QUICK = {
         and set(o["saturated"]) == {"snapkv@0.25:pressure"}
     ),
     "footprint": lambda o: all(r["lines"] < 30 for r in o["policies"]) and o["metadata"]["bytes_per_token"] <= 8,
+    # The simulator needs no engine: the committed calibration, a few replicas, a compressed day.
+    "fleet": lambda o: (
+        set(o["validation"]["goodput"]) == {"free_blocks", "round_robin"}
+        and {"naive+round_robin", "vtoken+round_robin", "vtoken+free_blocks"} <= set(o["sweep"]["results"])
+        and all(r["replicas"] >= 1 for r in o["needed"]["results"].values())
+        and any(k.endswith("+autoscaler") for k in o["day"]["results"])
+        and all(0 <= r["attainment"] <= 1 and r["replica_hours"] > 0 for r in o["day"]["results"].values())
+        and {"replica_hours_target_met", "goodput_target_met"} <= set(o["targets"])
+        and set(o["bursts"]["results"]) == set(o["sweep"]["results"])
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(QUICK))
 def test_bench_quick(name, tmp_path):
     """In this process: offline engines start in seconds (VLLM_ENABLE_V1_MULTIPROCESSING=0, conftest)."""
-    if name != "footprint":
+    if name not in ("footprint", "fleet"):
         pytest.importorskip("vllm")
     from vtoken.cli import main
 

@@ -28,6 +28,7 @@ BENCHMARKS = {
         "goodput",
         "serve",
         "retrieval",
+        "fleet",
     )  # fmt: skip
 }
 

@@ -1,0 +1,9 @@
+"""A discrete-event fleet simulator: many replicas, the project's own placement strategies and autoscaler.
+
+- ``calibration.py``: what a replica is made of, measured on the real engine (step times, blocks per forward).
+- ``calibrate.py``: the engine runs that produce a calibration JSON (``docs/results/fleet_calibration.json``).
+- ``workload.py``: arrivals (Poisson, bursts, a diurnal day) and heavy-tailed request lengths.
+- ``replica.py``: one replica: vLLM's scheduler in miniature over a block pool, steps timed by the model.
+- ``fleet.py``: the event loop, the controller's promises, ``cluster/placement.py`` and ``cluster/autoscaler.py``.
+- ``study.py``: the experiments ``vtoken bench fleet`` reports (validation, load sweep, replicas needed, a day).
+"""

@@ -1,0 +1,140 @@
+"""The fleet simulator (cluster/sim/): hand-computed runs on a scripted workload, the project's own placement
+and autoscaler in the loop (planted changes in them change the result), the committed calibration."""
+
+import pytest
+
+from cluster import placement
+from cluster.config import AutoscalingConfig
+from cluster.sim import calibration, study
+from cluster.sim.calibration import BlockProfile, Calibration, StepTime
+from cluster.sim.fleet import Fleet, FleetConfig
+from cluster.sim.workload import Request, burst_times, lognormal, poisson_times
+
+# 10 ms a step, 1 ms a decoding request, 0.1 ms a prefill token; no eviction (a block per 32 tokens + 1).
+STEPS = StepTime(base=0.01, per_decode=0.001, per_prefill_token=0.0001, per_prefill_seq=0.0)
+
+
+def cal(max_num_seqs=256) -> Calibration:
+    full = BlockProfile.full()
+    profiles = {calibration.profile_key("vtoken", pe, None): full for pe in (True, False)}
+    return Calibration(32, 4096, max_num_seqs, {"vtoken": STEPS}, profiles, {})
+
+
+def run(reqs, max_num_seqs=256, **kw):
+    fleet = Fleet(FleetConfig(check=True, **kw), cal(max_num_seqs))
+    return fleet, fleet.run(reqs)
+
+
+def test_queueing_one_sequence_slot():
+    """max_num_seqs=1: B waits for A. A: prefill 64 (10 + 6.4 ms), 2 decodes (11 ms each); then B the same."""
+    _, out = run([Request(0, 0.0, 64, 3), Request(1, 0.0, 64, 3)], max_num_seqs=1, replicas=1, pools=(100,))
+    assert out.done[0] == pytest.approx(0.0164 + 2 * 0.011)
+    assert out.first[1] == pytest.approx(0.0384 + 0.0164)
+    assert out.done[1] == pytest.approx(0.0384 + 0.0164 + 2 * 0.011)
+    assert out.preemptions == 0
+
+
+def test_block_exhaustion_preempts_the_last_and_recomputes():
+    """Pool 5: A and B (32-token prompts, 2 blocks each) prefill together (10 + 6.4 ms); their first decodes
+    need 3 blocks each, 6 > 5: B, the last, preempts itself and waits. A decodes alone (11 ms); then B is
+    admitted again beside A's last decode (10 + 1 + 3.2 ms) and decodes twice (11 ms each)."""
+    _, out = run([Request(0, 0.0, 32, 3), Request(1, 0.0, 32, 3)], replicas=1, pools=(5,))
+    assert out.preemptions == 1
+    assert out.done[0] == pytest.approx(0.0164 + 0.011 + 0.0142)
+    assert out.first[1] == pytest.approx(0.0416)
+    assert out.done[1] == pytest.approx(0.0416 + 2 * 0.011)
+
+
+def test_decode_run_equals_single_steps(monkeypatch):
+    """The decode-run shortcut (k identical steps as one event) against the plain reference, one step per
+    event (the shortcut switched off): the same end times, with arrivals and a cancellation cutting runs."""
+    from cluster.sim.replica import Replica
+
+    reqs = [
+        Request(0, 0.0, 40, 50),
+        Request(1, 0.0, 300, 20),
+        Request(2, 0.13, 10, 30),
+        Request(3, 0.2, 90, 60, deadline_s=0.31),
+        Request(4, 0.21, 500, 5),
+    ]
+    _, fast = run(reqs, replicas=1, pools=(30,))
+    # By hand: request 0 alone prefills 40 tokens (14 ms); request 1 joins with 300 (41 ms); both decode.
+    assert fast.first[1] == pytest.approx(0.014 + 0.041)
+    monkeypatch.setattr(Replica, "_decode_run", lambda self: None)
+    _, ref = run(reqs, replicas=1, pools=(30,))
+    assert fast.done.keys() == ref.done.keys() and fast.cancelled == ref.cancelled == {3}
+    assert all(fast.done[i] == pytest.approx(ref.done[i]) for i in ref.done)
+    assert fast.preemptions == ref.preemptions
+
+
+def test_one_placement_decision_by_the_real_strategies():
+    """Pools of 4 and 16 blocks, one request: free_blocks picks the larger pool; round_robin the first name."""
+    for strategy, expected in (("free_blocks", "r0002"), ("round_robin", "r0001"), ("best_fit", "r0001")):
+        _, out = run([Request(0, 0.0, 32, 2)], strategy=strategy, replicas=2, pools=(4, 16))
+        assert out.placed_on[0] == expected, strategy
+
+
+def test_one_scale_out_by_the_real_autoscaler():
+    """One replica of 4 blocks, two requests of 3 blocks: the second waits; at the first tick (1 s) the
+    autoscaler sees a waiting request and scales out to 2; the new replica is ready start_s later."""
+    auto = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=2, sustain_s=0, cooldown_s=0)
+    reqs = [Request(0, 0.0, 64, 400), Request(1, 0.01, 64, 2)]
+    fleet, out = run(reqs, replicas=1, pools=(4,), autoscaling=auto, start_s=5.0)
+    assert [(t, a, b) for t, a, b, _ in out.decisions][:1] == [(1.0, 1, 2)]
+    assert "1 waiting" in out.decisions[0][3]
+    assert (1.0, 2) in out.replicas
+    assert out.placed_on == {0: "r0001", 1: "r0001"}
+
+
+def test_a_planted_strategy_changes_the_result(monkeypatch):
+    """The simulator calls cluster/placement.py itself: a free_blocks that picks the least free replica
+    changes where requests go and how many meet the deadline on the goodput load."""
+    real = calibration.load()
+    before = study.validate(real, strategies=("free_blocks",))
+    monkeypatch.setattr(
+        placement.FreeBlocks, "choose", lambda self, replicas, need: min(replicas, key=lambda r: r.effective_free)
+    )
+    after = study.validate(real, strategies=("free_blocks",))
+    assert before["runs"] != after["runs"]
+    assert before["runs"]["free_blocks"]["heavy_per_replica"] == [3, 3]
+
+
+def test_a_planted_autoscaler_changes_the_result(monkeypatch):
+    from cluster.autoscaler import Autoscaler
+
+    auto = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=2, sustain_s=0, cooldown_s=0)
+    reqs = [Request(0, 0.0, 64, 400), Request(1, 0.01, 64, 2)]
+    monkeypatch.setattr(Autoscaler, "decide", lambda self, now, replicas, current, limit=None: None)
+    _, out = run(reqs, replicas=1, pools=(4,), autoscaling=auto, start_s=5.0)
+    assert out.decisions == [] and max(n for _, n in out.replicas) == 1
+
+
+def test_workloads_are_seeded():
+    import random
+
+    a, b = random.Random(3), random.Random(3)
+    assert poisson_times(a, 5, 10) == poisson_times(b, 5, 10)
+    assert burst_times(a, 5, 40) == burst_times(b, 5, 40)
+    xs = [lognormal(a, 200, 1.0, 4, 1024) for _ in range(2000)]
+    assert 4 <= min(xs) and max(xs) <= 1024 and 150 < sorted(xs)[1000] < 260  # median near 200
+
+
+def test_best_fit_and_weighted_choose_as_documented():
+    """best_fit: the tightest replica that fits (fresh first), else the most free; weighted: the free share
+    less running and waiting, each against the busiest; both put a replica that fits first."""
+    from cluster.placement import ReplicaView, make_strategy
+
+    vs = [
+        ReplicaView("a", free_blocks=50, total_blocks=64, running=8),
+        ReplicaView("b", free_blocks=12, total_blocks=128, running=1),
+        ReplicaView("c", free_blocks=120, total_blocks=128, promised=100, running=0),
+        ReplicaView("d", free_blocks=9, total_blocks=64, stale=True),
+    ]
+    bf = make_strategy("best_fit")
+    assert bf.choose(vs, 10).name == "b"  # 12 fits 10 most tightly (d is tighter but stale)
+    assert bf.choose(vs, 30).name == "a"  # only a has 30 effectively free
+    assert bf.choose(vs, 60).name == "a"  # nothing fits: the most effective free, as free_blocks
+    w = make_strategy("weighted")
+    # a: 50/64 - 8/8 = -0.22; b: 12/128 - 1/8 = -0.03; c: 20/128 - 0 = 0.16 -> c
+    assert w.choose(vs, 10).name == "c"
+    assert w.choose(vs, 30).name == "a"  # the only one that fits

@@ -1,0 +1,303 @@
+"""Fleet simulation: placement strategies and the autoscaler at up to hundreds of replicas (no engine needed).
+
+A discrete-event simulator (``cluster/sim/``) drives the project's own ``cluster/placement.py`` strategies
+and ``cluster/autoscaler.py``; each replica is modelled from measurements of the real engine (step times,
+blocks per forward from vToken's traces) in ``docs/results/fleet_calibration.json`` (``--calibrate`` remakes it
+on this machine, a few minutes). It reports:
+
+- validation: ``vtoken bench goodput``'s 2-replica load in the simulator (compare with the measured run);
+- goodput vs load per setup at ``--sweep-replicas``, and the load where round_robin breaks the SLA;
+- replicas needed to meet the SLA at a fixed load sized for ``--scale`` replicas;
+- a diurnal day: replica-hours and SLA attainment, static fleets sized for the peak against the autoscaler.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vtoken.bench.report import Table
+
+MEASURED = Path(__file__).resolve().parents[2] / "docs" / "results" / "fleet_measured_goodput.json"
+QUICK = {"sweep_replicas": 4, "scale": 16, "horizon": 8.0, "day_s": 240.0, "day_peak_replicas": 4}
+
+
+def add_args(p) -> None:
+    p.add_argument("--calibration", help="calibration JSON (default: docs/results/fleet_calibration.json)")
+    p.add_argument(
+        "--measured",
+        default=str(MEASURED),
+        help="a `vtoken bench goodput` JSON to validate against (the simulator's error per strategy)",
+    )
+    p.add_argument(
+        "--serving-from",
+        default=str(MEASURED.with_name("goodput.json")),
+        help="--calibrate: the goodput run whose heavy request alone gives the serving path's cost per token "
+        "(an earlier run than --measured, so the validation is against a run the calibration never saw)",
+    )
+    p.add_argument("--calibrate", action="store_true", help="first measure the engine and rewrite the calibration")
+    p.add_argument(
+        "--strategies",
+        default="free_blocks,power_of_two,best_fit,weighted",
+        help="vtoken placements compared with round_robin",
+    )
+    p.add_argument("--sweep-replicas", type=int, default=16)
+    p.add_argument("--scale", type=int, default=256, help="replicas the fixed load is sized for")
+    p.add_argument("--horizon", type=float, default=20.0, help="seconds of arrivals per load point")
+    p.add_argument("--day-s", type=float, default=1200.0, help="the simulated day, compressed to these seconds")
+    p.add_argument("--day-peak-replicas", type=int, default=16)
+    p.add_argument("--arrivals", choices=("poisson", "bursts"), default="poisson")
+    p.add_argument("--pools", default="32,64", help="KV blocks of the replicas, cycled (replicas of two sizes)")
+    p.add_argument("--prompt-median", type=float, default=300, help="median prompt tokens (log-normal, sigma 1)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> dict:
+    from cluster.sim import calibrate, calibration, study
+
+    if args.calibrate:
+        fresh = calibrate.serving(calibrate.run(), json.loads(Path(args.serving_from).read_text()))
+        calibration.save(fresh, args.calibration)
+    cal = calibration.load(args.calibration)
+    a = {**vars(args), **(QUICK if args.quick else {})}
+    from dataclasses import replace
+
+    spec = study.FleetSpec(
+        pools=tuple(int(x) for x in args.pools.split(",")),
+        lengths=replace(study.FleetSpec().lengths, prompt_median=args.prompt_median),
+        horizon_s=a["horizon"],
+        arrivals=args.arrivals,
+        seed=args.seed,
+    )
+    setups = list(study.SETUPS[:2]) + [
+        study.Setup(f"vtoken+{s}", "vtoken", s) for s in args.strategies.split(",") if s != "round_robin"
+    ]
+    rr = setups[1]
+    out: dict[str, Any] = {"calibration": {**cal.meta, "goodput_shape": cal.goodput}, "spec": _spec(spec)}
+    out["validation"] = study.validate(cal)
+    if args.measured and Path(args.measured).exists():
+        out["validation"]["measured"] = _against(out["validation"], json.loads(Path(args.measured).read_text()))
+
+    # Load grid, per replica: doubling until vtoken+round_robin misses the SLA, then quarters of that rate.
+    n = a["sweep_replicas"]
+    per = 1.0
+    while study.at_load(cal, spec, rr, n, per * n)["attainment"] >= spec.sla.attainment and per < 512:
+        per *= 2
+    rates = [round(per * k / 4 * n, 2) for k in range(1, 9)]
+    out["sweep"] = {"replicas": n, "rates": rates, "results": study.sweep(cal, spec, setups, n, rates)}
+    out["break"] = _break_point(out["sweep"], rr.name, spec.sla.attainment)
+    # The same mean load in bursts (4x the rate for 4 s of every 20 s), at round_robin's break point.
+    b_rate = out["break"]["rate"] or rates[2]
+    bursty = replace(spec, arrivals="bursts")
+    out["bursts"] = {"rate": b_rate, "results": {s.name: study.at_load(cal, bursty, s, n, b_rate) for s in setups}}
+
+    # Fixed load: the highest swept rate per replica at which the first strategy besides round_robin meets
+    # the SLA, times --scale.
+    best = setups[2].name
+    passing = [p["rate"] for p in out["sweep"]["results"][best] if p["attainment"] >= spec.sla.attainment]
+    per_ok = (max(passing) if passing else rates[0]) / n
+    fixed = round(per_ok * a["scale"], 1)
+    out["needed"] = {"rate": fixed, "scale": a["scale"], "results": {}}
+    for s in setups:
+        out["needed"]["results"][s.name] = study.replicas_needed(cal, spec, s, fixed, a["scale"])
+
+    # The day: static fleets sized for the peak against the autoscaler (starting at the trough's share).
+    from cluster.config import AutoscalingConfig
+
+    peak = round(per_ok * a["day_peak_replicas"], 1)
+    day_spec = replace(spec, horizon_s=min(30.0, a["horizon"]))
+    # The autoscaler scales on blocks; with vToken compute binds first, so the project's default watermark
+    # (15% effectively free) scales out late. "tuned": out below 50% free, in above two replicas' spare.
+    limit = 8 * a["day_peak_replicas"]
+    tuned = AutoscalingConfig(
+        enabled=True, min_replicas=1, max_replicas=limit, cooldown_s=10, low_watermark=0.5, scale_in_margin=1.0
+    )
+    defaults = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=limit, cooldown_s=10)
+    out["day"] = {
+        "day_s": a["day_s"],
+        "peak_rate": peak,
+        "autoscaling": {"tuned": tuned.model_dump(), "defaults": defaults.model_dump()},
+        "results": {},
+    }
+    from cluster.config import PlacementConfig
+
+    runs = [(s, None) for s in setups]
+    for x in dict.fromkeys(["free_blocks", PlacementConfig().strategy]):
+        runs.append((study.Setup(f"vtoken+{x}+autoscaler", "vtoken", x, True), tuned))
+    x = PlacementConfig().strategy
+    runs.append((study.Setup(f"vtoken+{x}+autoscaler (default watermarks)", "vtoken", x, True), defaults))
+    for s, auto in runs:
+        static = study.replicas_needed(cal, day_spec, s, peak, a["day_peak_replicas"])["replicas"]
+        if static is None:  # no fleet size meets the SLA at the peak: no day to compare
+            out["day"]["never_meets_sla"] = out["day"].get("never_meets_sla", []) + [s.name]
+            continue
+        start = max(1, round(static * 0.2)) if s.autoscale else static
+        out["day"]["results"][s.name] = {
+            "static_replicas": static,
+            **study.day(cal, spec, s, peak, a["day_s"], start, autoscaling=auto),
+            **({"autoscaling": "tuned" if auto is tuned else "defaults"} if auto else {}),
+        }
+    out["targets"] = _targets(out, setups)
+    return out
+
+
+def _against(sim: dict, measured: dict) -> dict[str, Any]:
+    """Goodput per round, simulated against measured: the relative error per strategy."""
+    rounds = measured["rounds"]
+    out = {"file_command": measured.get("command"), "rounds": rounds, "strategies": {}}
+    for s, got in measured["goodput"].items():
+        if s in sim["goodput"]:
+            m = got / rounds
+            out["strategies"][s] = {
+                "measured_per_round": m,
+                "simulated": sim["goodput"][s],
+                "error": round(sim["goodput"][s] / m - 1, 3) if m else None,
+            }
+    return out
+
+
+def _spec(spec) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(spec)
+
+
+def _break_point(sweep: dict, rr: str, attainment: float) -> dict[str, Any]:
+    """At the lowest swept load where round_robin misses the SLA: every setup's goodput against it."""
+    res = sweep["results"]
+    i = next((i for i, p in enumerate(res[rr]) if p["attainment"] < attainment), None)
+    if i is None:
+        return {"rate": None}
+    g = res[rr][i]["goodput_rps"]
+    ratios = [
+        max((p["goodput_rps"] / q["goodput_rps"] for p, q in zip(pts, res[rr]) if q["goodput_rps"]), default=None)
+        for pts in res.values()
+    ]
+    return {
+        "rate": sweep["rates"][i],
+        "best_ratio_over_sweep": dict(zip(res, ratios)),
+        "goodput_rps": {s: pts[i]["goodput_rps"] for s, pts in res.items()},
+        "vs_round_robin": {s: round(pts[i]["goodput_rps"] / g, 3) if g else None for s, pts in res.items()},
+    }
+
+
+def _targets(out: dict, setups) -> dict[str, Any]:
+    day = out["day"]["results"]
+    naive = day.get("naive+round_robin", {}).get("replica_hours")
+    auto = day.get("vtoken+free_blocks+autoscaler", {}).get("replica_hours")
+    fewer = round(1 - auto / naive, 3) if naive and auto else None
+    fb = out["break"].get("vs_round_robin", {}).get("vtoken+free_blocks")
+    return {
+        "autoscaled_fewer_replica_hours_than_naive_rr": fewer,
+        "autoscaled_sla_attainment": day.get("vtoken+free_blocks+autoscaler", {}).get("attainment"),
+        "free_blocks_vs_round_robin_at_break": fb,
+        "replica_hours_target_met": fewer is not None and fewer >= 0.30,
+        "goodput_target_met": fb is not None and fb >= 1.3,
+    }
+
+
+def tables(result: dict) -> list[Table]:
+    v = result["validation"]
+    meas = v.get("measured", {}).get("strategies", {})
+    t = [
+        Table(
+            f"Validation: vtoken bench goodput's load in the simulator (2 replicas, deadline {v['deadline_s']:.2f} s)",
+            [
+                "placement",
+                "simulated: within deadline",
+                "of",
+                "heavy requests per replica",
+                "measured per round",
+                "error",
+            ],
+            [
+                [
+                    s,
+                    v["goodput"][s],
+                    v["requests"],
+                    v["runs"][s]["heavy_per_replica"],
+                    meas.get(s, {}).get("measured_per_round", "-"),
+                    f"{meas[s]['error']:+.1%}" if meas.get(s, {}).get("error") is not None else "-",
+                ]
+                for s in v["goodput"]
+            ],
+            f"Measured: `{v['measured']['file_command']}` ({v['measured']['rounds']} rounds)" if meas else "",
+        )
+    ]
+    sw = result["sweep"]
+    t.append(
+        Table(
+            f"Goodput (req/s within SLA) vs load, {sw['replicas']} replicas",
+            ["setup"] + [f"{r:g} req/s" for r in sw["rates"]],
+            [
+                [s] + [f"{p['goodput_rps']:.1f} ({p['attainment']:.0%})" for p in pts]
+                for s, pts in sw["results"].items()
+            ],
+            "In brackets: SLA attainment (requests within factor x alone + slack).",
+        )
+    )
+    b = result["break"]
+    if b.get("rate") is not None:
+        t.append(
+            Table(
+                f"Where round_robin breaks the SLA ({b['rate']:g} req/s on {sw['replicas']} replicas)",
+                ["setup", "goodput req/s", "x round_robin"],
+                [[s, g, b["vs_round_robin"][s]] for s, g in b["goodput_rps"].items()],
+            )
+        )
+    bu = result["bursts"]
+    t.append(
+        Table(
+            f"Bursts: {bu['rate']:g} req/s on {sw['replicas']} replicas on average, 4x for 4 s of every 20 s",
+            ["setup", "goodput req/s", "SLA attainment"],
+            [[s, p["goodput_rps"], f"{p['attainment']:.1%}"] for s, p in bu["results"].items()],
+        )
+    )
+    nd = result["needed"]
+    t.append(
+        Table(
+            f"Replicas needed for the SLA at {nd['rate']:g} req/s (sized for about {nd['scale']})",
+            ["setup", "replicas", "attainment"],
+            [
+                [s, r["replicas"] or f"none up to {8 * nd['scale']}", f"{r['attainment']:.1%}"]
+                for s, r in nd["results"].items()
+            ],
+        )
+    )
+    d = result["day"]
+    t.append(
+        Table(
+            f"A day (compressed into {d['day_s']:g} s, peak {d['peak_rate']:g} req/s)",
+            ["setup", "replica-hours", "mean replicas", "peak replicas", "SLA attainment", "scaling decisions"],
+            [
+                [
+                    s,
+                    r["replica_hours"],
+                    r["mean_replicas"],
+                    r["peak_replicas"],
+                    f"{r['attainment']:.1%}",
+                    r["decisions"],
+                ]
+                for s, r in d["results"].items()
+            ],
+            f"Targets: {result['targets']}",
+        )
+    )
+    return t
+
+
+def plot(result: dict, fig) -> None:
+    ax1, ax2 = fig.subplots(1, 2)
+    sw = result["sweep"]
+    for s, pts in sw["results"].items():
+        ax1.plot(sw["rates"], [p["goodput_rps"] for p in pts], "o-", label=s)
+    ax1.plot(sw["rates"], sw["rates"], "k:", lw=0.8, label="offered")
+    ax1.set(xlabel="offered load, req/s", ylabel="goodput, req/s", title=f"{sw['replicas']} replicas")
+    ax1.legend(fontsize=7)
+    d = result["day"]
+    for s, r in d["results"].items():
+        xs = [t / d["day_s"] * 24 for t, _ in r["timeline"]]
+        ax2.step(xs, [n for _, n in r["timeline"]], where="post", label=f"{s} ({r['replica_hours']:g} h)")
+    ax2.set(xlabel="hour of the day", ylabel="replicas", title="replicas over the day")
+    ax2.legend(fontsize=7)
