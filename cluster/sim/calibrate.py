@@ -34,7 +34,9 @@ def _timed_steps(llm, samples: list[tuple[float, int, int, int, int]]):
     """Wraps the in-process scheduler's ``schedule`` (VLLM_ENABLE_V1_MULTIPROCESSING=0): each call appends
     (start time, decode seqs, prefill tokens, prefill seqs, live tokens of the decoding requests). A request
     scheduled one token is a decode."""
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    from vtoken.vllm_adapter.engine import inproc_scheduler
+
+    sched = inproc_scheduler(llm)
     orig = sched.schedule
 
     def schedule(*a, **kw):
@@ -97,6 +99,7 @@ def run(model: str = "tiny-llama", log=print) -> Calibration:
     from vtoken.bench.engine_run import Engine, real_prompts
     from vtoken.bench.goodput import KV_BYTES, skewed_load
     from vtoken.models import model_path
+    from vtoken.vllm_adapter.engine import scheduler_limits
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core, as each goodput replica
@@ -110,8 +113,7 @@ def run(model: str = "tiny-llama", log=print) -> Calibration:
             with tempfile.TemporaryDirectory() as tmp:
                 cfg["trace_path"] = os.path.join(tmp, "trace.jsonl")
                 with Engine(model_dir, mode, cfg, kv_bytes=1 << 28, max_model_len=2048, block_size=BLOCK) as e:
-                    sc = e.llm.llm_engine.vllm_config.scheduler_config
-                    limits = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs}
+                    limits = scheduler_limits(e.llm)
                     samples: list = []
                     _timed_steps(e.llm, samples)
                     e.batch(real_prompts(model_dir, 2, 64), 8, warmup=True)  # first steps are slow on CPU

@@ -159,6 +159,22 @@ def pool_blocks(llm) -> int:
     return llm.llm_engine.vllm_config.cache_config.num_gpu_blocks - 1
 
 
+def scheduler_limits(llm) -> dict[str, int]:
+    """The batch limits vLLM resolved for an ``LLM`` (vllm/config/scheduler.py SchedulerConfig)."""
+    sc = llm.llm_engine.vllm_config.scheduler_config
+    return {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs}
+
+
+def inproc_scheduler(llm):
+    """The scheduler of an in-process ``LLM`` (VLLM_ENABLE_V1_MULTIPROCESSING=0: vllm/v1/engine/core_client.py
+    InprocClient holds the EngineCore, whose ``scheduler`` is our VTokenScheduler). For measurements that wrap
+    ``schedule``; a multiprocess engine has no scheduler in this process."""
+    core = llm.llm_engine.engine_core
+    if not hasattr(core, "engine_core"):
+        raise RuntimeError("the engine runs in its own process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return core.engine_core.scheduler
+
+
 def shutdown_llm(llm) -> None:
     """Stop an ``LLM``'s engine (its EngineCore process and workers, or the in-process core) now, rather than
     when the garbage collector gets to it: vllm/v1/engine/core_client.py EngineCoreClient.shutdown."""
