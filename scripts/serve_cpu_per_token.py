@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +50,6 @@ def measure(url: str, model: str, requests: int, tokens: int) -> dict:
             c.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 16}).raise_for_status()
         before, t0, tpots = cpu_times(), time.monotonic(), []
         for _ in range(requests):
-            stamps = []
             with c.stream("POST", url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 stamps = [time.monotonic() for line in r.iter_lines() if line.startswith("data: {")]
@@ -64,9 +62,10 @@ def measure(url: str, model: str, requests: int, tokens: int) -> dict:
         if spent > 0:
             per[cmd] = per.get(cmd, 0.0) + 1e3 * spent / n
     rows = sorted(((round(ms, 3), cmd) for cmd, ms in per.items() if ms >= 0.05), reverse=True)
+    tpots.sort()
     return {
-        "tpot_ms": sorted(tpots),
-        "tpot_median_ms": sorted(tpots)[len(tpots) // 2],
+        "tpot_ms": tpots,
+        "tpot_median_ms": tpots[len(tpots) // 2],
         "wall_s": wall,
         "cpu_ms_per_token": rows,
         "cpu_ms_per_token_total": round(sum(per.values()), 3),
@@ -84,7 +83,9 @@ def main() -> None:
     from vtoken.models import model_path
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # as `vtoken bench serve`: the EngineCore in its own process
-    cfg = types.SimpleNamespace(model=args.model, kv_bytes=64 << 20, max_model_len=1024, policy="snapkv", budget=0.25)
+    defaults = argparse.ArgumentParser()
+    serve.add_args(defaults)  # the servers exactly as `vtoken bench serve` builds them by default
+    cfg = defaults.parse_args(["--model", args.model])
     folder, result = str(model_path(args.model)), {"command": " ".join(sys.argv), "servers": {}}
     for name in args.servers.split(","):
         print(f"[cpu] {name}: {args.requests} streams of {args.tokens} tokens", flush=True)
