@@ -409,8 +409,8 @@ class Compactor:
         win = np.flatnonzero(~is_parked)
         room = len(self.blocks_of(st.request_id)) * self.bs - (live.size - int(np.isin(live, victims).sum()))
         lose, win = np.concatenate([lose, win[room:]]), win[:room]  # (never expected: room for every winner)
+        dead = victims[~np.isin(victims, parked.logical)]  # before the discard, which may clear ``parked``
         self._discard(st, lose)
-        dead = victims[~np.isin(victims, parked.logical)]
         batch, _ = self._compact(st, dead, 0, park=False, restore=win)
         self.tier.give(parked.tier[win])
         parked.clear()
