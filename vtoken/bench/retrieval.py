@@ -65,7 +65,7 @@ def options(policy: str, budget: float, mode: str, window: int) -> dict:
 
 def _engine_cfg(args, park: bool) -> dict:
     cfg = {"policy": "h2o", "collect_scores": True, "prefill_chunk": args.prefill_chunk}
-    return {**cfg, "park_tokens": args.park_tokens} if park else cfg
+    return {**cfg, "park_tokens": args.park_tokens if park else 0}
 
 
 def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args) -> dict[str, dict]:
@@ -179,14 +179,20 @@ def _saturated(args, folder, tok, cases, kw) -> dict:
         configs.append((policy, float(budget), mode))
     out = {}
     sat = {**kw, "kv_bytes": args.saturate_kv_bytes}
-    with Engine(folder, "vtoken", _engine_cfg(args, True), **sat) as e:
-        e.tok = tok
-        for c in configs:
-            r = _serve(e, cases, [c], args)[label(*c)]
-            out[label(*c)] = _score(cases, r["texts"], r["records"])
-            out[label(*c)]["preemptions"] = r["preempted"]
-            log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
-    return out
+    # The tier only where the mode has one: the compactor parks whenever a tier exists, so an ``always`` served
+    # by a tiered engine would be parking under another name.
+    for park in (False, True):
+        mine = [c for c in configs if (c[2] in ("park", "pressure")) == park]
+        if not mine:
+            continue
+        with Engine(folder, "vtoken", _engine_cfg(args, park), **sat) as e:
+            e.tok = tok
+            for c in mine:
+                r = _serve(e, cases, [c], args)[label(*c)]
+                out[label(*c)] = _score(cases, r["texts"], r["records"])
+                out[label(*c)]["preemptions"] = r["preempted"]
+                log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
+    return {label(*c): out[label(*c)] for c in configs}
 
 
 def settings(args, cases) -> dict:
