@@ -71,11 +71,14 @@ class VTokenConfig(BaseModel):
         0.02, ge=0, lt=1, description="evict: pressure: the share of the pool's blocks kept free on top of the demand"
     )
     park_tokens: int | Literal["auto"] = Field(
-        0,
-        description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "
-        "drops waits there, and the tokens kept when the prompt has been read are chosen among live and parked "
-        "ones by the prompt's last window (the question); attention policies (h2o, scissorhands, snapkv). "
-        "auto: twice the tokens the KV pool holds. 0 (the default): no tier, what a boundary drops is lost",
+        "auto",
+        description="tokens of the parking tier, outside the KV pool: what a prefill chunk boundary drops waits "
+        "there, and the tokens kept when the prompt has been read are chosen among live and parked ones by the "
+        "prompt's last window (the question); attention policies (h2o, scissorhands, snapkv). auto (the "
+        "default): twice the tokens the KV pool holds where the pool is host memory (CPU); on a GPU no tier, "
+        "since it would take device memory that vLLM's pool sizing does not count (set a count there and lower "
+        "gpu_memory_utilization to match). 0: no tier, what a boundary drops is lost; a full tier loses "
+        "what does not fit",
     )
 
     @field_validator("park_tokens")
@@ -85,9 +88,12 @@ class VTokenConfig(BaseModel):
             raise ValueError(f"park_tokens must be 'auto' or >= 0, got {v}")
         return v
 
-    def tier_tokens(self, pool_tokens: int) -> int:
-        """The parking tier's size for a KV pool of ``pool_tokens`` tokens (0: no tier)."""
-        return 2 * pool_tokens if self.park_tokens == "auto" else int(self.park_tokens)
+    def tier_tokens(self, pool_tokens: int, device: str) -> int:
+        """The parking tier's size for a KV pool of ``pool_tokens`` tokens on ``device`` ("cpu", "cuda"; 0: no
+        tier). The scheduler and the worker both call this, so they agree."""
+        if self.park_tokens != "auto":
+            return int(self.park_tokens)
+        return 2 * pool_tokens if device == "cpu" else 0
 
     prefill_chunk: int | None = Field(
         None,

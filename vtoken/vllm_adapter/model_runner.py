@@ -58,7 +58,8 @@ class VTokenRunnerMixin:
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
             self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
-            park = self.vt.tier_tokens(int(self.kv_caches[0].shape[0]) * bs)  # as the scheduler's TierSlots
+            # as the scheduler's TierSlots
+            park = self.vt.tier_tokens(int(self.kv_caches[0].shape[0]) * bs, self.device.type)
             if park:
                 self.vt_tier = KVTier(park, self.kv_caches, layout, bs, spec.head_size, self.vt_scorer.extra_tensors,
                                       self.vt_tp)  # fmt: skip

@@ -55,7 +55,8 @@ class VTokenScheduler(Scheduler):
         self.vt_pool = self.kv_cache_manager.block_pool
         self.vt_bs = self.vt_manager.block_size
         # vllm/v1/core/single_type_kv_cache_manager.py: req_to_blocks[rid] is the request's block list.
-        park = self.vt.tier_tokens(self.vt_pool.num_gpu_blocks * self.vt_bs)  # the worker sizes its tier alike
+        device = vllm_config.device_config.device_type  # the worker sizes its tier alike
+        park = self.vt.tier_tokens(self.vt_pool.num_gpu_blocks * self.vt_bs, device)
         tier = TierSlots(park) if park else None
         self.vt_core = Compactor(
             self.vt.mode, self.vt_bs, self.vt_pool, lambda rid: self.vt_manager.req_to_blocks[rid], tier
