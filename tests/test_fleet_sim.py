@@ -138,3 +138,19 @@ def test_best_fit_and_weighted_choose_as_documented():
     # a: 50/64 - 8/8 = -0.22; b: 12/128 - 1/8 = -0.03; c: 20/128 - 0 = 0.16 -> c
     assert w.choose(vs, 10).name == "c"
     assert w.choose(vs, 30).name == "a"  # the only one that fits
+
+
+def test_break_point_ratio_and_its_ceiling_by_hand():
+    """At round_robin's break every setup's goodput against it, and the ceiling: what arrived over what
+    round_robin served (200 requests in 10 s against its 16 req/s: 1.25x at most)."""
+    from vtoken.bench.fleet import _break_point
+
+    def pt(att, g, n):
+        return {"attainment": att, "goodput_rps": g, "requests": n}
+
+    sweep = {"rates": [10, 20], "results": {"rr": [pt(1.0, 10, 100), pt(0.8, 16, 200)],
+                                            "fb": [pt(1.0, 10, 100), pt(1.0, 20, 200)]}}  # fmt: skip
+    b = _break_point(sweep, "rr", 0.95, 10.0)
+    assert b["rate"] == 20 and b["offered_rps"] == 20.0
+    assert b["vs_round_robin"] == {"rr": 1.0, "fb": 1.25} and b["ceiling_vs_round_robin"] == 1.25
+    assert _break_point({"rates": [10], "results": {"rr": [pt(1.0, 10, 100)]}}, "rr", 0.95, 10.0) == {"rate": None}
