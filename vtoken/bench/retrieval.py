@@ -208,7 +208,7 @@ def settings(args, cases) -> dict:
 
 # ---------------------------------------------------------------------------------------------- report
 def _acc(r: dict) -> str:
-    lo, hi = r["ci95"]
+    lo, hi = max(r["ci95"][0], 0.0), r["ci95"][1]  # Wilson's lower bound at 0 hits can round to -0
     return f"{r['hits']}/{r['n']} ({100 * r['accuracy']:.0f}%, {100 * lo:.0f}-{100 * hi:.0f})"
 
 
