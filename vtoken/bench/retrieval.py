@@ -68,6 +68,15 @@ def _engine_cfg(args, park: bool) -> dict:
     return {**cfg, "park_tokens": args.park_tokens if park else 0}
 
 
+def _by_tier(configs: list[tuple[str, float, str]]):
+    """(park, configurations): those without the tier, then those with it (park and pressure), one engine each.
+    The compactor parks whenever a tier exists, so a mode without one must not share its engine."""
+    for park in (False, True):
+        mine = [c for c in configs if (c[2] in ("park", "pressure")) == park]
+        if mine:
+            yield park, mine
+
+
 def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args) -> dict[str, dict]:
     """Every configuration's requests in one batch (each request carries its own options)."""
     reqs = [(c, i) for c in configs for i in range(len(cases))]
@@ -155,10 +164,7 @@ def run(args) -> dict:
             b = e.batch([c.prompt for c in cases], args.max_tokens)
             result["configs"]["full KV"] = _score(cases, [tok.decode(s.output_tokens) for s in b.served])
         log(f"[retrieval] full KV: {result['configs']['full KV']['hits']}/{len(cases)}")
-    for park in (False, True):
-        mine = [c for c in configs if (c[2] in ("park", "pressure")) == park]
-        if not mine:
-            continue
+    for park, mine in _by_tier(configs):
         with Engine(folder, "vtoken", _engine_cfg(args, park), **kw) as e:
             e.tok = tok
             for name, r in _serve(e, cases, mine, args).items():
@@ -179,12 +185,7 @@ def _saturated(args, folder, tok, cases, kw) -> dict:
         configs.append((policy, float(budget), mode))
     out = {}
     sat = {**kw, "kv_bytes": args.saturate_kv_bytes}
-    # The tier only where the mode has one: the compactor parks whenever a tier exists, so an ``always`` served
-    # by a tiered engine would be parking under another name.
-    for park in (False, True):
-        mine = [c for c in configs if (c[2] in ("park", "pressure")) == park]
-        if not mine:
-            continue
+    for park, mine in _by_tier(configs):
         with Engine(folder, "vtoken", _engine_cfg(args, park), **sat) as e:
             e.tok = tok
             for c in mine:
