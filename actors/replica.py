@@ -30,6 +30,7 @@ from typing import Any
 
 from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec
 from actors.report import ReplicaReport, empty_pool
+from actors.token_channel import TokenSender, is_loopback
 from vtoken.pool_report import PoolReport
 
 log = logging.getLogger("vtoken.replica")
@@ -66,6 +67,8 @@ class Replica:
         self._reporter: asyncio.Task | None = None
         self._last: ReplicaReport | None = None
         self._report_failing = False
+        self._sender = TokenSender()
+        self._node = ""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -101,6 +104,7 @@ class Replica:
         return await self.report()
 
     async def shutdown(self) -> None:
+        self._sender.close()
         if self._reporter is not None:
             self._reporter.cancel()
         if self.engine is not None:
@@ -146,6 +150,31 @@ class Replica:
             if not finished:
                 with contextlib.suppress(Exception):  # nothing to abort in an engine that is gone
                     await asyncio.shield(engine.abort(rid))
+
+    async def generate_to(self, spec: GenerateSpec, address: str, gateway_node: str = "") -> int:
+        """``generate``'s chunks sent to the gateway's token channel at ``address`` (actors/token_channel.py)
+        instead of streamed through Ray; returns how many were sent, or -1 without serving when ``address`` is
+        a loopback one on another node than this replica's. Cancelling the call aborts the request, as does a
+        gateway that takes no chunk for token_channel.SEND_TIMEOUT_S."""
+        if gateway_node and is_loopback(address) and gateway_node != self._node_ip():
+            return -1
+        sent, rid = 0, spec.request_id
+        async with contextlib.aclosing(self.generate(spec)) as chunks:
+            async for chunk in chunks:
+                try:
+                    await self._sender.send(address, rid, chunk)
+                except TimeoutError:
+                    log.warning("replica %s: the gateway at %s took no chunk; aborting %s", self.name, address, rid)
+                    break  # closing the generator aborts the request in the engine
+                sent += 1
+        return sent
+
+    def _node_ip(self) -> str:
+        if not self._node:
+            import ray
+
+            self._node = ray.util.get_node_ip_address()
+        return self._node
 
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:

@@ -158,6 +158,16 @@ class GatewayConfig(_Strict):
     )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
+    token_channel: Literal["zmq", "ray"] = Field(
+        "zmq",
+        description="how replicas stream tokens to the gateway: zmq (one ZeroMQ socket, actors/token_channel.py) or "
+        "ray (a Ray streamed object per chunk, several times the CPU per token)",
+    )
+    token_channel_host: str = Field(
+        "127.0.0.1",
+        description="address the zmq token channel binds (node: this Ray node's address, for replicas on other "
+        "nodes; with a loopback address their tokens come through Ray streams)",
+    )
     health_requires_auth: bool = Field(
         False,
         description="with auth_token_env set: whether grpc.health.v1.Health also needs the bearer token "

@@ -1,11 +1,12 @@
 """The request path both front doors share, gRPC (cluster/gateway.py) and OpenAI-compatible HTTP
-(cluster/http_gateway.py): admission, placement by the controller, the Ray stream from a replica, retries,
+(cluster/http_gateway.py): admission, placement by the controller, the stream from a replica, retries,
 aborts, and the per-request metrics. A door validates its own wire format into a ``ValidRequest``, iterates
 ``Dispatcher.stream`` and maps a ``Refused``'s code to its own status; so a request is admitted, placed,
 retried, aborted and counted the same way whichever door it came in by.
 
 A request's path: admission (bounded: ``max_inflight`` over both doors, else resource_exhausted) -> placement
-by the controller -> a Ray streaming call to the replica. A replica that dies before the first token: the
+by the controller -> the replica's chunks, through the token channel (actors/token_channel.py; a Ray
+streaming call with ``gateway.token_channel: ray``). A replica that dies before the first token: the
 request is placed again elsewhere (``max_attempts``); after it: unavailable. A deadline, or a client that goes
 away (the door stops iterating), aborts the request in the engine at once, so its blocks are free again.
 """
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 import ray
 
 from actors.engines import Chunk, GenerateSpec
+from actors.token_channel import ChannelStream, TokenChannel, Unreachable
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
 from cluster.placement import estimate_blocks
@@ -67,6 +69,16 @@ class Dispatcher:
         self.cfg, self.g, self.controller = cfg, cfg.gateway, controller
         self.metrics = metrics or Metrics(cfg.model)
         self.inflight = 0
+        self._node = ray.util.get_node_ip_address() if ray.is_initialized() else ""
+        host = self._node if self.g.token_channel_host == "node" else self.g.token_channel_host
+        self.channel = TokenChannel(host or "127.0.0.1") if self.g.token_channel == "zmq" else None
+        self._remote: set[str] = set()  # replicas that cannot reach the channel: Ray streams for them
+
+    def _open(self, name: str, replica: Any, spec: GenerateSpec):
+        """The request's chunks from ``replica``: through the token channel, or a Ray stream."""
+        if self.channel is None or name in self._remote:
+            return RayStream(replica.generate.options(num_returns="streaming").remote(spec))
+        return ChannelStream(self.channel, spec.request_id, lambda a: replica.generate_to.remote(spec, a, self._node))
 
     async def stream(self, req: ValidRequest, rid: str, door: str) -> AsyncIterator[Delta]:
         """The request's chunks as the replica streams them. ``rid`` is the gateway's own id for it: the
@@ -118,15 +130,26 @@ class Dispatcher:
                 raise Refused("unavailable", "no live replica could take the request")
             name, replica = placed
             tried.append(name)
-            stream = replica.generate.options(num_returns="streaming").remote(spec)
+            stream = self._open(name, replica, spec)
             streamed, done = 0, False
             try:
                 while True:
                     timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
                     try:
-                        chunk = await asyncio.wait_for(_next(stream), timeout)
+                        chunk = await asyncio.wait_for(stream.next(), timeout)
                     except TimeoutError:
                         raise Refused("deadline_exceeded", "deadline exceeded") from None
+                    except Unreachable as e:
+                        log.warning(
+                            "replica %s cannot reach the token channel at %s (another node); its tokens come "
+                            "through Ray streams: set gateway.token_channel_host to this node's address",
+                            name,
+                            e,
+                        )
+                        self._remote.add(name)
+                        stream.close()
+                        stream = self._open(name, replica, spec)
+                        continue
                     if chunk is None or chunk.error or chunk.finish_reason == "abort":
                         done = True  # the server ended it (failure, drain, engine restart), not the client
                         code, why = failure(chunk, name)
@@ -152,8 +175,9 @@ class Dispatcher:
                 log.warning("replica %s died before request %s started; placing it again", name, rid)
             finally:
                 if not done:  # cancelled, deadline, or the client went away: free its blocks now
-                    ray.cancel(stream)
+                    stream.cancel()
                     replica.abort.remote(rid)
+                stream.close()
         raise Refused("unavailable", f"request failed on {len(tried)} replicas: {', '.join(tried)}")
 
     async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None):
@@ -185,8 +209,20 @@ def internal_message(client_id: str, rid: str) -> str:
     return f"internal error serving {which}; the server log has the details"
 
 
-async def _next(stream):
-    try:
-        return await (await stream.__anext__())
-    except StopAsyncIteration:
-        return None
+class RayStream:
+    """A replica's chunks as a Ray streaming generator (``Replica.generate``), read like a ChannelStream."""
+
+    def __init__(self, gen: Any):
+        self.gen = gen
+
+    async def next(self) -> Chunk | None:
+        try:
+            return await (await self.gen.__anext__())
+        except StopAsyncIteration:
+            return None
+
+    def cancel(self) -> None:
+        ray.cancel(self.gen)
+
+    def close(self) -> None:
+        pass

@@ -104,6 +104,8 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
             await http.stop()
         if gateway is not None:
             await gateway.stop()
+            if gateway.dispatcher.channel is not None:
+                await gateway.dispatcher.channel.aclose()
         try:
             finals = await ctl.shutdown.remote()
         except ray.exceptions.RayError:

@@ -1,0 +1,136 @@
+"""The token channel (actors/token_channel.py): chunks from replica to gateway over ZeroMQ, in order, whole;
+a call that ends or fails; a replica that cannot reach the channel; and the served cluster using it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from cluster_harness import config, ensure_ray, generate, stub
+
+from actors.engines import Chunk, TokenLogprob
+from actors.token_channel import ChannelStream, TokenChannel, TokenSender, Unreachable, decode, encode, is_loopback
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNKS = [
+    Chunk(" a", (5,)),
+    Chunk(" b c", (6, 7), logprobs=(TokenLogprob(6, " b", -0.5, ((6, " b", -0.5), (9, " z", -9999.0))),) * 2),
+    Chunk("", (), True, "stop"),
+    Chunk.failed("internal", "replica r1 failed to serve the request"),
+]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_a_chunk_crosses_whole(chunk):
+    rid, payload = encode("req-1", chunk)
+    got = decode(payload)
+    assert rid == b"req-1" and got == chunk and type(got.token_ids) is tuple
+    assert all(type(lp) is TokenLogprob and type(lp.top) is tuple for lp in got.logprobs)
+
+
+def test_loopback_addresses():
+    assert is_loopback("tcp://127.0.0.1:5000") and is_loopback("tcp://localhost:1") and is_loopback("tcp://[::1]:2")
+    assert not is_loopback("tcp://10.1.2.3:5000")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_chunks_arrive_in_order_and_by_request():
+    async def main():
+        channel, sender = TokenChannel(), TokenSender()
+        a, b = channel.open("a"), channel.open("b")
+        for i in range(50):
+            await sender.send(channel.address, "a" if i % 2 else "b", Chunk(str(i), (i,)))
+        await sender.send(channel.address, "nobody", Chunk("lost"))  # dropped: no queue
+        got_a = [(await a.get()).text for _ in range(25)]
+        got_b = [(await b.get()).text for _ in range(25)]
+        sender.close()
+        await channel.aclose()
+        return got_a, got_b
+
+    got_a, got_b = run(main())
+    assert got_a == [str(i) for i in range(1, 50, 2)] and got_b == [str(i) for i in range(0, 50, 2)]
+
+
+def _stream(channel, sender, sent, delay=0.0, error=None):
+    """A ChannelStream whose call sends ``sent`` chunks and then returns their count (or raises ``error``)."""
+
+    async def call(address, rid):
+        for i in range(sent):
+            await sender.send(address, rid, Chunk(str(i), (i,), i == sent - 1))
+        await asyncio.sleep(delay)
+        if error is not None:
+            raise error
+        return sent
+
+    return ChannelStream(channel, "r", lambda address: call(address, "r"))
+
+
+async def _all(stream):
+    out = []
+    while (c := await stream.next()) is not None:
+        out.append(c.text)
+    stream.close()
+    return out
+
+
+def test_a_stream_ends_with_what_its_call_sent():
+    async def main():
+        channel, sender = TokenChannel(), TokenSender()
+        got = [await _all(_stream(channel, sender, n)) for n in (0, 1, 7)]
+        with pytest.raises(ConnectionError):
+            await _all(_stream(channel, sender, 3, error=ConnectionError("the replica died")))
+        sender.close()
+        await channel.aclose()
+        return got
+
+    assert run(main()) == [[], ["0"], [str(i) for i in range(7)]]
+
+
+def test_a_replica_that_cannot_reach_the_channel_says_so():
+    async def main():
+        channel = TokenChannel()
+
+        async def call(address):
+            return -1
+
+        stream = ChannelStream(channel, "r", call)
+        with pytest.raises(Unreachable):
+            await stream.next()
+        stream.close()
+        await channel.aclose()
+
+    run(main())
+
+
+# ---------------------------------------------------------------------------------------------- served
+
+
+def test_the_served_cluster_streams_through_the_channel_and_falls_back_to_ray():
+    """On one node every replica's chunks come through the channel; a replica that reports itself on another
+    node than the gateway's loopback address gets Ray streams instead, and the request still completes."""
+    from cluster.server import BackgroundServer
+
+    ensure_ray()
+    with BackgroundServer(config("fake-channel", replicas=1)) as s:
+        d = s.gateway.dispatcher
+        out = generate(stub(s.port), max_tokens=5)
+        assert [m.text for m in out] == [" t0", " t1", " t2", " t3", " t4"] and out[-1].finished
+        assert d.channel.address.startswith("tcp://127.0.0.1:") and not d._remote
+        d._node = "192.0.2.1"  # as if the gateway ran on another node (TEST-NET address)
+        out = generate(stub(s.port), max_tokens=5)
+        assert [m.text for m in out] == [" t0", " t1", " t2", " t3", " t4"] and out[-1].finished
+        assert len(d._remote) == 1
+
+
+def test_ray_streams_when_configured():
+    from cluster.server import BackgroundServer
+
+    ensure_ray()
+    with BackgroundServer(config("fake-raystream", replicas=1, gateway={"token_channel": "ray"})) as s:
+        assert s.gateway.dispatcher.channel is None
+        out = generate(stub(s.port), max_tokens=3)
+        assert [m.text for m in out] == [" t0", " t1", " t2"] and out[-1].finished
