@@ -7,6 +7,9 @@ On one machine, with the same model, engine settings and KV pool, four servers t
   vtoken   the same with vToken on (``--policy`` at ``--budget``): what eviction and repacking buy
   two      `vtoken serve` with two replicas, vToken on (on a CPU machine each replica gets its own cores)
 
+and, when named in ``--servers``, ``off-ray``: ``off`` with its tokens streamed through Ray
+(``gateway.token_channel: ray``) instead of the ZeroMQ token channel, what that channel saves.
+
 The client is vLLM's, unchanged (vllm/benchmarks/serve.py through ``python -m vtoken.bench.vllm_client``):
 random prompts of ``--input-len`` tokens, ``--output-len`` tokens each (ignore_eos), Poisson arrivals at each
 rate of ``--rates``, and vLLM's own metric names: TTFT, TPOT, ITL and E2E percentiles, request throughput,
@@ -31,13 +34,14 @@ from typing import Any
 from vtoken.bench.engine_run import log
 from vtoken.bench.report import Table
 
-SERVERS = ("stock", "off", "vtoken", "two")
+SERVERS = ("stock", "off", "vtoken", "two")  # the default; "off-ray" on request
+EXTRA_SERVERS = ("off-ray",)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"any of {', '.join(SERVERS)}")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"any of {', '.join(SERVERS + EXTRA_SERVERS)}")
     p.add_argument("--rates", default="0.15,2", help="request rates (requests/s), one client run each")
     p.add_argument("--num-prompts", type=int, default=30)
     p.add_argument("--input-len", type=int, default=512)
@@ -100,21 +104,21 @@ def stock_server(args, folder: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def vtoken_server(args, replicas: int, vtoken: dict[str, Any]) -> Iterator[str]:
+def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "zmq") -> Iterator[str]:
     """`vtoken serve` in this process (an embedded Ray): controller, replicas, the OpenAI door."""
     from cluster.config import parse_config
     from cluster.server import BackgroundServer, start_ray
 
     cfg = parse_config(
         {
-            "name": f"bench-serve-{replicas}-{vtoken['mode']}",
+            "name": f"bench-serve-{replicas}-{vtoken['mode']}-{channel}",
             "model": args.model,
             "replicas": replicas,
             "vtoken": vtoken,
             "engine": _engine(args),
             # One replica may use every core, as stock vLLM does; two get a core each (one "device" each).
             "replica": {"num_cpus": 1 if replicas > 1 else 0, "pin_cpus": replicas > 1},
-            "gateway": {"port": 0, "http_port": "any", "max_inflight": 4096},
+            "gateway": {"port": 0, "http_port": "any", "max_inflight": 4096, "token_channel": channel},
         }
     )
     start_ray(cfg, verbose=False)
@@ -127,6 +131,7 @@ def server(args, name: str, folder: str):
     return {
         "stock": lambda: stock_server(args, folder),
         "off": lambda: vtoken_server(args, 1, {"mode": "off"}),
+        "off-ray": lambda: vtoken_server(args, 1, {"mode": "off"}, channel="ray"),
         "vtoken": lambda: vtoken_server(args, 1, on),
         "two": lambda: vtoken_server(args, 2, on),
     }[name]()
@@ -163,9 +168,9 @@ def run(args) -> dict:
         args.model, args.num_prompts, args.input_len, args.output_len = "tiny-llama", 6, 64, 8
         args.rates, args.kv_bytes = "4", 4 << 20
     names = [s for s in args.servers.split(",") if s]
-    bad = sorted(set(names) - set(SERVERS))
+    bad = sorted(set(names) - set(SERVERS + EXTRA_SERVERS))
     if bad:
-        raise SystemExit(f"--servers: unknown {bad}; choose from {', '.join(SERVERS)}")
+        raise SystemExit(f"--servers: unknown {bad}; choose from {', '.join(SERVERS + EXTRA_SERVERS)}")
     rates = [float(r) for r in args.rates.split(",")]
     # Servers run vLLM as deployed: the EngineCore in a process of its own (`vtoken bench` defaults offline
     # engines to in-process), in Ray's replicas and in the stock server alike.
@@ -252,7 +257,8 @@ def tables(result: dict) -> list[Table]:
             ],  # fmt: skip
             rows,
             "(xN): over stock vLLM at the same rate, in the same run. stock: vLLM's OpenAI server; off: vtoken serve, "
-            "one replica, vToken off; vtoken: the same, vToken on; two: two replicas, vToken on. "
+            "one replica, vToken off; off-ray: the same, tokens through Ray streams instead of the ZeroMQ channel; "
+            "vtoken: the same as off, vToken on; two: two replicas, vToken on. "
             f"Load average {load['loadavg_before']:.2f} before, {load['loadavg_after']:.2f} after "
             f"({load['cpus']} CPUs).",
         )
