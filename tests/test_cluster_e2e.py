@@ -59,8 +59,11 @@ def test_streams_prompt_and_chat_over_grpc(served):
     out = generate(
         stub(served.port), prompt="The capital of France is", max_tokens=12, temperature=0.0, ignore_eos=True
     )
+    # How many chunks carry the 12 tokens depends on the load: vLLM merges the deltas its consumer has not read
+    # yet (vllm/v1/engine/output_processor.py, RequestOutputCollector.put), so on a busy machine one chunk may
+    # carry them all (seen in CI). Chunk-by-chunk streaming is checked on the fake engine (test_cluster_fake).
     assert sum(len(m.token_ids) for m in out) == 12 and out[-1].finished and out[-1].finish_reason == "length"
-    assert len(out) > 1  # streamed, not one blob
+    assert all(not m.finished for m in out[:-1])
     chat = pb.GenerateRequest(
         messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
         sampling=pb.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
