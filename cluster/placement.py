@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 class ReplicaView(NamedTuple):
     """What placement knows of a replica. ``promised`` counts blocks of requests placed there that its last
-    report does not count yet (not admitted when its figures were read); ``effective_free`` subtracts them."""
+    report does not count yet (not admitted when its figures were read); ``effective_free`` subtracts them.
+    ``pending`` counts those requests: queued from the controller's side, though no report shows them yet."""
 
     name: str
     free_blocks: int
@@ -25,6 +26,7 @@ class ReplicaView(NamedTuple):
     waiting: int = 0
     blocks_reclaimed: int = 0
     stale: bool = False
+    pending: int = 0
 
     @property
     def effective_free(self) -> int:
@@ -98,19 +100,21 @@ class Weighted(PlacementStrategy):
     """A weighted score over the replicas that fit the request, as llm-d's scheduler sums its scorers: the share
     of the pool effectively free, less the running and waiting requests, each against the busiest replica.
     Free blocks alone send a large pool twice the requests of a small one, though both compute at the same
-    speed; the running term spreads the compute. Replicas that fit come first; stale reports last."""
+    speed; the running term spreads the compute. Requests placed since a replica's last report (``pending``)
+    wait there as far as placement knows: without them, a burst that arrives between two reports all goes to
+    the replica that looked least busy at the last one. Replicas that fit come first; stale reports last."""
 
     def __init__(self, w_free: float = 1.0, w_running: float = 1.0, w_waiting: float = 1.0):
         self.w = (w_free, w_running, w_waiting)
 
     def choose(self, replicas, need_blocks):
         most_running = max(r.running for r in replicas) or 1
-        most_waiting = max(r.waiting for r in replicas) or 1
+        most_waiting = max(r.waiting + r.pending for r in replicas) or 1
         wf, wr, ww = self.w
 
         def score(r: ReplicaView) -> float:
             free = r.effective_free / r.total_blocks if r.total_blocks else 0.0
-            return wf * free - wr * r.running / most_running - ww * r.waiting / most_waiting
+            return wf * free - wr * r.running / most_running - ww * (r.waiting + r.pending) / most_waiting
 
         return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, score(r), r.name))
 

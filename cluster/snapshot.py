@@ -25,6 +25,7 @@ class ReplicaSnapshot(NamedTuple):
     report: ReplicaReport  # the last one received (all zeros before the first)
     promised_blocks: int
     report_age_s: float = -1.0  # seconds since the last report was received, -1 before the first
+    promised_requests: int = 0  # the requests those promised blocks belong to
 
 
 class ClusterSnapshot(NamedTuple):
@@ -41,12 +42,19 @@ class ClusterSnapshot(NamedTuple):
 def take_snapshot(ctl: Any) -> ClusterSnapshot:
     now = time.monotonic()
     promised: collections.Counter[str] = collections.Counter()
+    pending: collections.Counter[str] = collections.Counter()
     for p in ctl.promises.values():
         promised[p.replica] += p.blocks
+        pending[p.replica] += 1
     return ClusterSnapshot(
         tuple(
             ReplicaSnapshot(
-                st.name, st.state, st.report, promised[st.name], now - st.reported_at if st.reported_at else -1.0
+                st.name,
+                st.state,
+                st.report,
+                promised[st.name],
+                now - st.reported_at if st.reported_at else -1.0,
+                pending[st.name],
             )
             for st in sorted(ctl.replicas.values(), key=lambda s: s.name)
         ),
@@ -73,6 +81,7 @@ def replica_views(snap: ClusterSnapshot, stale_after_s: float) -> list[ReplicaVi
             p.waiting,
             p.blocks_reclaimed,
             not 0 <= r.report_age_s <= stale_after_s,
+            r.promised_requests,
         )
         for r in snap.replicas
         if r.state.serving()

@@ -81,7 +81,8 @@ class Fleet:
         self.replicas: dict[str, Replica] = {}
         self.healthy: dict[str, ReplicaView] = {}  # views placement and the autoscaler see
         self.draining: set[str] = set()
-        self.promised: dict[str, int] = {}
+        self.promised: dict[str, int] = {}  # replica -> blocks promised to requests no report counts yet
+        self.pending: dict[str, int] = {}  # replica -> those requests
         self.promises: dict[int, tuple[str, int]] = {}
         self.seqs: dict[int, Seq] = {}
         self.events: list[tuple[float, int, str, Any]] = []
@@ -219,18 +220,25 @@ class Fleet:
         rep.admitted_now = []
         if rep.name in self.healthy:
             self.healthy[rep.name] = ReplicaView(
-                rep.name, rep.free, rep.pool, self.promised.get(rep.name, 0), len(rep.running), len(rep.waiting)
+                rep.name,
+                rep.free,
+                rep.pool,
+                self.promised.get(rep.name, 0),
+                len(rep.running),
+                len(rep.waiting),
+                pending=self.pending.get(rep.name, 0),
             )
 
-    def _promise(self, name: str, blocks: int) -> None:
+    def _promise(self, name: str, blocks: int, requests: int = 1) -> None:
         self.promised[name] = self.promised.get(name, 0) + blocks
+        self.pending[name] = self.pending.get(name, 0) + requests
         if name in self.healthy:
-            self.healthy[name] = self.healthy[name]._replace(promised=self.promised[name])
+            self.healthy[name] = self.healthy[name]._replace(promised=self.promised[name], pending=self.pending[name])
 
     def _unpromise(self, rid: int) -> None:
         p = self.promises.pop(rid, None)
         if p is not None:
-            self._promise(p[0], -p[1])
+            self._promise(p[0], -p[1], -1)
 
     # ------------------------------------------------------------------ replicas and autoscaling
     def _create(self, ready_in: float) -> None:
