@@ -296,8 +296,7 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
 
 def test_weighted_counts_requests_placed_since_the_last_report_as_waiting():
     """Reports lag arrivals: a burst placed between two reports must not all go to the replica that looked
-    least busy at the last one. Seen on the real two replicas (a 4/2 split of six requests); before requests
-    placed since the report counted, all three below went to "b"."""
+    least busy at the last one. Before requests placed since the report counted, all three below went to "b"."""
     import asyncio
     import time
 
