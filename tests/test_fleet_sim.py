@@ -154,3 +154,17 @@ def test_break_point_ratio_and_its_ceiling_by_hand():
     assert b["rate"] == 20 and b["offered_rps"] == 20.0
     assert b["vs_round_robin"] == {"rr": 1.0, "fb": 1.25} and b["ceiling_vs_round_robin"] == 1.25
     assert _break_point({"rates": [10], "results": {"rr": [pt(1.0, 10, 100)]}}, "rr", 0.95, 10.0) == {"rate": None}
+
+
+def test_sla_throughput_is_the_last_load_met_before_the_first_miss(monkeypatch):
+    """A scripted attainment against the load: met up to 13, missed at 14, met again at 15 (one seed's noise)
+    and from 20 on missed. Steps of 4 from 2 find the miss at 14, then steps of 1 from 10: 13, not 15."""
+    misses = {14.0} | {float(r) for r in range(20, 40)}
+    monkeypatch.setattr(
+        study, "at_load", lambda cal, spec, setup, n, rate: {"attainment": 0.0 if rate in misses else 1.0}
+    )
+    setup = study.SETUPS[1]
+    assert study.capacity(None, study.FleetSpec(), setup, 2, 2.0) == {"rate": 13.0, "first_miss": 14.0}
+    assert study.capacity(None, study.FleetSpec(), setup, 2, 14.0) == {"rate": None, "first_miss": 14.0}
+    misses.discard(14.0)  # the coarse miss at 22 (2, 6, ..., 18 met), then 19 met and 20 missed
+    assert study.capacity(None, study.FleetSpec(), setup, 2, 2.0) == {"rate": 19.0, "first_miss": 20.0}

@@ -173,6 +173,29 @@ def replicas_needed(cal: Calibration, spec: FleetSpec, setup: Setup, rate: float
     return {"replicas": hi, "attainment": tried[hi], "probes": dict(sorted(tried.items()))}
 
 
+def capacity(
+    cal: Calibration, spec: FleetSpec, setup: Setup, replicas: int, start: float, step: float = 1.0, coarse: int = 4
+) -> dict[str, Any]:
+    """The SLA throughput (the paper's measure): the highest arrival rate at which ``setup`` still meets the SLA
+    on ``replicas``. The load climbs from ``start`` in steps of ``coarse`` x ``step`` req/s to the first miss,
+    then again in steps of ``step`` from the last rate that met it; ``rate`` is the last one met before the
+    first miss (None when ``start`` itself misses). Attainment is not strictly monotone in the load for one
+    seed, so the first miss is what counts, not the highest rate that happens to meet it."""
+
+    def ok(rate: float) -> bool:
+        return at_load(cal, spec, setup, replicas, rate)["attainment"] >= spec.sla.attainment
+
+    if not ok(start):
+        return {"rate": None, "first_miss": start}
+    good, r = start, start + coarse * step
+    while ok(r):
+        good, r = r, r + coarse * step
+    fine = good + step
+    while fine < r and ok(fine):
+        good, fine = fine, fine + step
+    return {"rate": round(good, 3), "first_miss": round(min(fine, r), 3)}
+
+
 # ---------------------------------------------------------------------------------------------- a day
 def day(
     cal: Calibration,
