@@ -29,6 +29,22 @@ def add_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--pool-blocks", type=int, default=160, help="KV pool size in blocks of 32 tokens")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill forward")
+    p.add_argument(
+        "--evict",
+        choices=("always", "pressure"),
+        default="always",
+        help="eviction mode of naive and vtoken (pressure: the budget is a floor, shed only when the pool is short)",
+    )
+    p.add_argument(
+        "--eviction",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="naive and vtoken with eviction between prefill chunks, decode-only, or both",
+    )
+    p.add_argument(
+        "--no-off", action="store_true", help="skip mode off (its ratios are then missing); searches start at --start"
+    )
+    p.add_argument("--start", type=int, default=4, help="first N tried when mode off is skipped")
 
 
 def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
@@ -121,21 +137,27 @@ def run(args) -> dict:
     kv = (pool + 1) * _block_bytes(model_dir, 32)  # + vLLM's reserved null block
     kw = dict(kv_bytes=kv, max_model_len=plen + m + 64, max_num_seqs=MAX_N, enable_prefix_caching=False)
     results = []
-    with Engine(model_dir, "off", {"prefill_chunk": chunk}, **kw) as e:
-        pool = e.total_blocks
-        results.append(
-            {"mode": "off", "prefill_evict": None, "budget": 1.0, **_search(e, prompts, m, None, 1, "off", max_n)}
-        )
-    start = {b: results[0]["max_concurrency"] for b in budgets}
+    evict = getattr(args, "evict", "always")
+    prefills = {"both": (False, True), "prefill": (True,), "decode": (False,)}[getattr(args, "eviction", "both")]
+    if getattr(args, "no_off", False):
+        start = {b: args.start for b in budgets}
+    else:
+        with Engine(model_dir, "off", {"prefill_chunk": chunk}, **kw) as e:
+            pool = e.total_blocks
+            results.append(
+                {"mode": "off", "prefill_evict": None, "budget": 1.0, **_search(e, prompts, m, None, 1, "off", max_n)}
+            )
+        start = {b: results[0]["max_concurrency"] for b in budgets}
     for mode in ("naive", "vtoken"):
         with Engine(model_dir, mode, {"policy": args.policy, "prefill_chunk": chunk}, **kw) as e:
+            pool = e.total_blocks
             for b in budgets:
-                for prefill in (False, True):
-                    opt = {"budget": b, "prefill_evict": prefill}
+                for prefill in prefills:
+                    opt = {"budget": b, "prefill_evict": prefill, "evict": evict}
                     r = _search(e, prompts, m, opt, start[b], f"{_label(mode, prefill)} {b}", max_n)
                     start[b] = min(start[b], r["max_concurrency"]) if mode == "naive" else r["max_concurrency"]
                     results.append({"mode": mode, "prefill_evict": prefill, "budget": b, **r})
-    off = results[0]["max_concurrency"]
+    off = results[0]["max_concurrency"] if results[0]["mode"] == "off" else None
     for r in results:
         naive = next(
             (
@@ -155,6 +177,7 @@ def run(args) -> dict:
         "prefill_chunk": chunk,
         "pool_blocks": pool,
         "budgets": budgets,
+        "evict": evict,
         "results": results,
     }
 
@@ -176,7 +199,8 @@ def tables(result: dict) -> list[Table]:
         Table(
             f"Maximum feasible concurrency in a {result['pool_blocks']}-block pool ({result['model']}, "
             f"{result['policy']}, {result['prompt_tokens']}-token prompts read in chunks of "
-            f"{result.get('prefill_chunk')}, {result['max_tokens']} output tokens)",
+            f"{result.get('prefill_chunk')}, {result['max_tokens']} output tokens, "
+            f"evict: {result.get('evict', 'always')})",
             [
                 "eviction",
                 "budget",
@@ -199,9 +223,15 @@ def plot(result: dict, fig) -> None:
     ax = fig.subplots(1, 1)
     budgets = result["budgets"]
     x = np.arange(len(budgets))
-    off = result["results"][0]["max_concurrency"]
-    w = 0.8 / len(SETTINGS)
-    for j, (mode, prefill) in enumerate(SETTINGS):
+    first = result["results"][0]
+    off = first["max_concurrency"] if first["mode"] == "off" else None
+    settings = [
+        (mode, prefill)
+        for mode, prefill in SETTINGS
+        if any(r["mode"] == mode and r.get("prefill_evict") == prefill for r in result["results"])
+    ]
+    w = 0.8 / len(settings)
+    for j, (mode, prefill) in enumerate(settings):
         vals = [
             next(
                 r["max_concurrency"]
@@ -210,8 +240,9 @@ def plot(result: dict, fig) -> None:
             )
             for b in budgets
         ]
-        ax.bar(x + (j - (len(SETTINGS) - 1) / 2) * w, vals, w, label=_label(mode, prefill))
-    ax.axhline(off, color="k", ls="--", label="off")
+        ax.bar(x + (j - (len(settings) - 1) / 2) * w, vals, w, label=_label(mode, prefill))
+    if off is not None:
+        ax.axhline(off, color="k", ls="--", label="off")
     ax.set_xticks(x, [f"{b:g}" for b in budgets])
     ax.set(
         xlabel="budget (live ratio)",
