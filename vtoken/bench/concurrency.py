@@ -137,9 +137,9 @@ def run(args) -> dict:
     kv = (pool + 1) * _block_bytes(model_dir, 32)  # + vLLM's reserved null block
     kw = dict(kv_bytes=kv, max_model_len=plen + m + 64, max_num_seqs=MAX_N, enable_prefix_caching=False)
     results = []
-    evict = getattr(args, "evict", "always")
-    prefills = {"both": (False, True), "prefill": (True,), "decode": (False,)}[getattr(args, "eviction", "both")]
-    if getattr(args, "no_off", False):
+    evict = args.evict
+    prefills = {"both": (False, True), "prefill": (True,), "decode": (False,)}[args.eviction]
+    if args.no_off:
         start = {b: args.start for b in budgets}
     else:
         with Engine(model_dir, "off", {"prefill_chunk": chunk}, **kw) as e:

@@ -159,17 +159,17 @@ def _capacity(cal, spec, setups, replicas: int, start: float, seeds: int, rr: st
 
     from cluster.sim import study
 
-    step = max(0.25, round(replicas / 16, 2))  # 1 req/s on 16 replicas
+    step, coarse = max(0.25, round(replicas / 16, 2)), 4  # steps of 1 req/s on 16 replicas, 4 at first
     seed_list = [spec.seed + k for k in range(seeds)]
     res: dict[str, Any] = {}
     for s in setups:
-        runs = [study.capacity(cal, replace(spec, seed=k), s, replicas, start, step) for k in seed_list]
+        runs = [study.capacity(cal, replace(spec, seed=k), s, replicas, start, step, coarse) for k in seed_list]
         rates = [r["rate"] or 0.0 for r in runs]
         res[s.name] = {"per_seed": rates, "mean": round(sum(rates) / len(rates), 2)}
     base = res[rr]["mean"]
     for r in res.values():
         r["vs_round_robin"] = round(r["mean"] / base, 3) if base else None
-    return {"replicas": replicas, "seeds": seed_list, "step": step, "start": start, "results": res}
+    return {"replicas": replicas, "seeds": seed_list, "step": step, "coarse": coarse, "start": start, "results": res}
 
 
 def _against(sim: dict, measured: dict) -> dict[str, Any]:
@@ -304,8 +304,8 @@ def tables(result: dict) -> list[Table]:
                     [s, ", ".join(f"{x:g}" for x in r["per_seed"]), r["mean"], r["vs_round_robin"]]
                     for s, r in cp["results"].items()
                 ],
-                f"The load climbs from {cp['start']:g} req/s in steps of {4 * cp['step']:g}, then {cp['step']:g}; "
-                "the rate is the last one met before the first miss.",
+                f"The load climbs from {cp['start']:g} req/s in steps of {cp['coarse'] * cp['step']:g}, "
+                f"then {cp['step']:g}; the rate is the last one met before the first miss.",
             )
         )
     bu = result["bursts"]
