@@ -88,6 +88,8 @@ QUICK = {
         and all(0 <= r["attainment"] <= 1 and r["replica_hours"] > 0 for r in o["day"]["results"].values())
         and {"replica_hours_target_met", "goodput_target_met"} <= set(o["targets"])
         and set(o["bursts"]["results"]) == set(o["sweep"]["results"])
+        and o["capacity_scale"]["replicas"] == o["needed"]["scale"]
+        and set(o["capacity_scale"]["results"]) == set(o["sweep"]["results"])
     ),
 }
 
