@@ -111,7 +111,7 @@ def run(args) -> dict:
     # fewer seeds suffice: 16x the requests per probe average out most of a seed's luck.
     m = a["scale"]
     low = min(x for r in out["capacity"]["results"].values() for x in r["per_seed"]) or rates[0]
-    step = max(0.25, round(m / 16, 2))
+    step = _capacity_step(m)
     start = max(step, (low / n * m) // step * step)
     log(
         f"[capacity] SLA throughput on {m} replicas from {start:g} req/s: "
@@ -173,6 +173,11 @@ def run(args) -> dict:
     return out
 
 
+def _capacity_step(replicas: int) -> float:
+    """The SLA throughput's resolution: 1 req/s on 16 replicas, the same per replica on any fleet."""
+    return max(0.25, round(replicas / 16, 2))
+
+
 def _capacity(cal, spec, setups, replicas: int, start: float, seeds: int, rr: str) -> dict[str, Any]:
     """Each setup's SLA throughput on ``seeds`` workloads (the same seeds for every setup), and its mean
     against round_robin's: how much more load the fleet takes within the SLA, the paper's measure."""
@@ -180,7 +185,7 @@ def _capacity(cal, spec, setups, replicas: int, start: float, seeds: int, rr: st
 
     from cluster.sim import study
 
-    step, coarse = max(0.25, round(replicas / 16, 2)), 4  # steps of 1 req/s on 16 replicas, 4 at first
+    step, coarse = _capacity_step(replicas), 4  # 4 steps at a time at first
     seed_list = [spec.seed + k for k in range(seeds)]
     res: dict[str, Any] = {}
     for s in setups:
