@@ -121,5 +121,36 @@ def test_bench_goodput_plumbing_on_the_fake_engine(tmp_path):
     assert set(out["goodput"]) == {"free_blocks", "round_robin"} and out["requests"] == 6
     assert out["load"]["cpus"] >= 1 and len(out["load"]["loadavg_before"]) == len(out["load"]["loadavg_after"]) == 3
     assert all(sum(r["heavy_per_replica"].values()) == 3 for runs in out["runs"].values() for r in runs)
+    assert set(out["deadline_sweep_s"]) == {"2", "2.25", "2.5", "3"}
+    for r in (r for runs in out["runs"].values() for r in runs):
+        counts = [r["completed_within"][k] for k in ("2", "2.25", "2.5", "3")]  # a longer deadline never counts fewer
+        assert counts == sorted(counts) and r["completed_within"]["2.5"] == r["completed_within_deadline"]
     assert "load average" in (tmp_path / "goodput.md").read_text()
+    assert "rounds won / tied / lost" in (tmp_path / "goodput.md").read_text()
     assert (tmp_path / "goodput.png").stat().st_size > 5000
+
+
+def test_rounds_against_round_robin_counts_each_round_at_each_deadline():
+    """Hand-made runs: a round where round_robin's late requests end inside the deadline is a tie, not a win;
+    a longer deadline from the sweep turns the lost round into a tie."""
+    from vtoken.bench.goodput import rounds_against, sweep_table
+
+    def run(primary: int, by: dict[str, int]) -> dict:
+        return {"completed_within_deadline": primary, "completed_within": by}
+
+    result = {
+        "heavy_alone_s": 2.0,
+        "deadline_sweep_s": {"2": 4.0, "3": 6.0},
+        "runs": {
+            "weighted": [run(12, {"2": 12, "3": 12}), run(12, {"2": 11, "3": 12}), run(10, {"2": 9, "3": 12})],
+            "round_robin": [run(9, {"2": 9, "3": 12}), run(12, {"2": 9, "3": 12}), run(11, {"2": 9, "3": 12})],
+        },
+    }
+    assert rounds_against(result) == {"weighted": [1, 1, 1]}
+    assert rounds_against(result, "2") == {"weighted": [2, 1, 0]}
+    assert rounds_against(result, "3") == {"weighted": [0, 3, 0]}
+    (table,) = sweep_table(result)
+    assert table.rows == [
+        ["2 x (4.0 s)", "12, 11, 9", "9, 9, 9", "2 / 1 / 0"],
+        ["3 x (6.0 s)", "12, 12, 12", "12, 12, 12", "0 / 3 / 0"],
+    ]

@@ -41,6 +41,11 @@ def add_args(p) -> None:
     p.add_argument("--strategies", default="free_blocks,round_robin")
     p.add_argument("--deadline", type=float, help="seconds (default: --deadline-factor x a heavy request alone)")
     p.add_argument("--deadline-factor", type=float, default=2.5)
+    p.add_argument(
+        "--deadline-sweep",
+        default="2.0,2.25,2.5,3.0",
+        help="more deadlines (x a heavy request alone) counted on the same runs; requests then run to the largest",
+    )
     p.add_argument("--kv-bytes", type=int, default=KV_BYTES, help="KV pool of each replica")
 
 
@@ -70,22 +75,37 @@ def one_request(stub, prompt: str, max_tokens: int, deadline_s: float, metadata=
     return {"code": code, "tokens": tokens, "replica": replica, "seconds": time.monotonic() - t0}
 
 
-def run_load(port: int, load: list[tuple[str, int]], deadline_s: float, gap_s: float = 0.05) -> dict[str, Any]:
-    """Submits the load (one request every ``gap_s``) and counts completions within the deadline."""
+def run_load(
+    port: int,
+    load: list[tuple[str, int]],
+    deadline_s: float,
+    gap_s: float = 0.05,
+    sweep: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Submits the load (one request every ``gap_s``) and counts completions within the deadline, and within
+    each deadline of ``sweep`` (label -> seconds). The gRPC timeout is the largest of them all, so a request
+    past ``deadline_s`` but inside a longer sweep deadline runs to its end (and counts only there)."""
+    sweep = sweep or {}
+    timeout_s = max([deadline_s, *sweep.values()])
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, ThreadPoolExecutor(len(load)) as pool:
         stub = pbg.VTokenStub(ch)
         futures = []
         for prompt, max_tokens in load:
-            futures.append(pool.submit(one_request, stub, prompt, max_tokens, deadline_s))
+            futures.append(pool.submit(one_request, stub, prompt, max_tokens, timeout_s))
             time.sleep(gap_s)
         results = [f.result() for f in futures]
-    ok = [r for r in results if r["code"] == "OK"]
+
+    def within(d: float) -> list[dict[str, Any]]:
+        return [r for r in results if r["code"] == "OK" and r["seconds"] <= d]
+
+    ok = within(deadline_s)
     per_replica: dict[str, int] = {}
     for i, r in enumerate(results):
         if i % 2 == 0 and r["replica"]:
             per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
     return {
         "completed_within_deadline": len(ok),
+        "completed_within": {label: len(within(d)) for label, d in sweep.items()},
         "requests": len(results),
         "codes": sorted({r["code"] for r in results}),
         "heavy_per_replica": per_replica,
@@ -102,25 +122,29 @@ def compare(
     rounds: int = 1,
     strategies=("free_blocks", "round_robin"),
     deadline_factor: float = 2.5,
+    sweep_factors: tuple[float, ...] = (),
 ) -> dict[str, Any]:
     """``controller_call(ref)`` waits for a controller call; returns goodput per strategy. Without
     ``deadline_s`` the deadline is ``deadline_factor`` times the latency of the first (heavy) request of the
     load served alone (the smaller of two tries, after a warm-up): long enough for one wave of heavy
-    requests served side by side, too short for two waves one after the other."""
+    requests served side by side, too short for two waves one after the other. ``sweep_factors``: more
+    deadlines, as multiples of that latency, counted on the same runs (``completed_within``)."""
     out: dict[str, Any] = {s: [] for s in strategies}
     controller_call(served.controller.set_placement.remote("round_robin"))
     run_load(served.port, load[:4], 600)  # warm both replicas: first steps are slow on CPU
     with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
         alone = min(one_request(pbg.VTokenStub(ch), *load[0], 600)["seconds"] for _ in range(2))
     deadline_s = deadline_s or deadline_factor * alone
+    sweep = {f"{f:g}": f * alone for f in sweep_factors}
     for _ in range(rounds):
         for s in strategies:
             controller_call(served.controller.set_placement.remote(s))
             time.sleep(1.5)  # let the pools drain and fresh reports arrive
-            out[s].append(run_load(served.port, load, deadline_s))
+            out[s].append(run_load(served.port, load, deadline_s, sweep=sweep))
     return {
         "deadline_s": deadline_s,
         "heavy_alone_s": alone,
+        "deadline_sweep_s": sweep,
         "requests": len(load),
         "rounds": rounds,
         "goodput": {s: sum(r["completed_within_deadline"] for r in out[s]) for s in strategies},
@@ -168,6 +192,7 @@ def run(args) -> dict:
                 rounds,
                 tuple(args.strategies.split(",")),
                 args.deadline_factor,
+                tuple(float(f) for f in args.deadline_sweep.split(",") if f.strip()),
             )
             measured_s = time.monotonic() - t0
     finally:
@@ -189,6 +214,7 @@ def run(args) -> dict:
 
 def tables(result: dict) -> list[Table]:
     rows = []
+    vs = rounds_against(result)
     for s, runs in result["runs"].items():
         lat = [r["mean_latency_s"] for r in runs if r["mean_latency_s"] is not None]
         rows.append(
@@ -196,6 +222,8 @@ def tables(result: dict) -> list[Table]:
                 s,
                 result["goodput"][s],
                 result["requests"] * result["rounds"],
+                ", ".join(str(r["completed_within_deadline"]) for r in runs),
+                "{} / {} / {}".format(*vs[s]) if s in vs else "-",
                 " / ".join(str(sorted(r["heavy_per_replica"].values(), reverse=True)) for r in runs),
                 round(sum(lat) / len(lat), 2) if lat else "-",
             ]
@@ -206,11 +234,63 @@ def tables(result: dict) -> list[Table]:
             f"Goodput by placement ({result['model']}, 2 replicas, {result['requests']} requests alternating "
             f"heavy and light, {result['rounds']} round(s), deadline {result['deadline_s']:.1f} s = "
             f"{result['deadline_s'] / result['heavy_alone_s']:.1f} x a heavy request alone)",
-            ["placement", "completed within deadline", "of", "heavy requests per replica", "mean latency s (ok)"],
+            [
+                "placement",
+                "completed within deadline",
+                "of",
+                "per round",
+                "rounds won / tied / lost vs round_robin",
+                "heavy requests per replica",
+                "mean latency s (ok)",
+            ],
             rows,
             f"Load on the machine ({load['cpus']} CPUs): load average {load['loadavg_before'][0]} before, "
             f"{load['loadavg_after'][0]} after (1 min). Replicas share the CPUs with whatever else runs: "
             "under load the difference between strategies shrinks or vanishes.",
+        ),
+        *sweep_table(result),
+    ]
+
+
+def rounds_against(result: dict, label: str | None = None, base: str = "round_robin") -> dict[str, list[int]]:
+    """Per strategy (not ``base``): rounds won, tied and lost against ``base``, round by round, counting
+    completions within the deadline ``label`` of the sweep (None: the run's deadline)."""
+
+    def counts(s: str) -> list[int]:
+        key = (lambda r: r["completed_within_deadline"]) if label is None else (lambda r: r["completed_within"][label])
+        return [key(r) for r in result["runs"][s]]
+
+    out = {}
+    for s in result["runs"]:
+        if s != base and base in result["runs"]:
+            pairs = list(zip(counts(s), counts(base), strict=True))
+            out[s] = [sum(a > b for a, b in pairs), sum(a == b for a, b in pairs), sum(a < b for a, b in pairs)]
+    return out
+
+
+def sweep_table(result: dict) -> list[Table]:
+    """Completions per round at each deadline of the sweep, and rounds won against round_robin."""
+    sweep = result.get("deadline_sweep_s") or {}
+    if not sweep or "round_robin" not in result["runs"]:
+        return []
+    names = list(result["runs"])
+    rows = []
+    for label, d in sweep.items():
+        vs = rounds_against(result, label)
+        row: list = [f"{label} x ({d:.1f} s)"]
+        for s in names:
+            row.append(", ".join(str(r["completed_within"][label]) for r in result["runs"][s]))
+        row.extend("{} / {} / {}".format(*vs[s]) for s in names if s in vs)
+        rows.append(row)
+    others = [s for s in names if s != "round_robin"]
+    return [
+        Table(
+            f"The same runs counted at other deadlines (x the heavy request alone, {result['heavy_alone_s']:.2f} s): "
+            "completions per round, and rounds won / tied / lost against round_robin",
+            ["deadline", *[f"{s} per round" for s in names], *[f"{s} vs round_robin" for s in others]],
+            rows,
+            "Every request ran to the largest deadline (its gRPC timeout), so each row counts the requests that "
+            "ended within that row's deadline; the rows are one experiment, not independent ones.",
         )
     ]
 
