@@ -130,6 +130,7 @@ class FakeEngine(Engine):
         self.reclaim_fraction = reclaim_fraction
         self.held: dict[str, int] = {}
         self.live: dict[str, int] = {}
+        self.to_go: dict[str, int] = {}  # tokens each admitted request has still to generate
         self.waiting: set[str] = set()
         self.aborted: set[str] = set()
         # The sampling each request arrived with, last ones first out: tests check what reached the engine
@@ -168,6 +169,7 @@ class FakeEngine(Engine):
                 admitted = rid not in self.aborted
                 if admitted:
                     self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
+                    self.to_go[rid] = max_tokens
             if not admitted:
                 yield ABORTED
                 return
@@ -180,6 +182,7 @@ class FakeEngine(Engine):
                     yield ABORTED
                     return
                 self.live[rid] += 1
+                self.to_go[rid] = max_tokens - i - 1
                 last = i == max_tokens - 1
                 t = i % 97
                 lp = () if top is None else (fake_logprob(t, top),)
@@ -193,6 +196,7 @@ class FakeEngine(Engine):
             self.aborted.discard(rid)
             self.held.pop(rid, 0)
             self.live.pop(rid, None)
+            self.to_go.pop(rid, None)
             self._cv.notify_all()
 
     async def abort(self, request_id: str) -> None:
@@ -226,6 +230,7 @@ class FakeEngine(Engine):
             compaction_seconds_total=0.0,
             preemptions_total=0,
             block_size=self.block_size,
+            tokens_to_go=sum(self.to_go.values()),
         )
 
 

@@ -78,8 +78,8 @@ class ReplicaConfig(_Strict):
 class PlacementConfig(_Strict):
     strategy: str = Field(
         "weighted",
-        description="weighted (the default: free share less running and waiting requests, the best in "
-        "`vtoken bench fleet`), free_blocks, round_robin, power_of_two or best_fit",
+        description="weighted (the default: free share less the work left, in tokens, and waiting requests, "
+        "the best in `vtoken bench fleet`), free_blocks, round_robin, power_of_two or best_fit",
     )
     stale_after_s: float = Field(
         3.0,

@@ -36,11 +36,13 @@ S = ReplicaStatus
 
 
 class Promise(NamedTuple):
-    """Blocks a placed request counts against its replica until a report counts them (or it ends)."""
+    """Blocks a placed request counts against its replica until a report counts them (or it ends), and the
+    tokens it will read and generate (its prompt and max_tokens), counted as work left there meanwhile."""
 
     replica: str
     blocks: int
     at: float  # time.monotonic() of the placement
+    tokens: int = 0
 
 
 class Controller(ReplicaLifecycle):
@@ -193,13 +195,16 @@ class Controller(ReplicaLifecycle):
         """The serving replicas as placement sees them: from the same snapshot as everything else."""
         return replica_views(take_snapshot(self), self.cfg.placement.stale_after_s)
 
-    async def place(self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = ()) -> tuple | None:
-        """(name, handle) of the replica chosen for the request, or None if no replica can take it now."""
+    async def place(
+        self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = (), tokens: int = 0
+    ) -> tuple | None:
+        """(name, handle) of the replica chosen for the request, or None if no replica can take it now.
+        ``tokens``: the request's prompt and max_tokens (work the replica's reports do not count yet)."""
         views = [v for v in self._views() if v.name not in exclude]
         if not views:
             return None
         v = self.strategy.choose(views, need_blocks)
-        self.promises[request_id] = Promise(v.name, need_blocks, time.monotonic())
+        self.promises[request_id] = Promise(v.name, need_blocks, time.monotonic(), tokens)
         self.placements[self.cfg.placement.strategy, v.name] += 1
         return v.name, self.replicas[v.name].handle
 

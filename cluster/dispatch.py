@@ -125,7 +125,7 @@ class Dispatcher:
         spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
-            placed = await self._place(rid, need, tried, deadline)
+            placed = await self._place(rid, need, tried, deadline, len(req.prompt_token_ids) + req.max_tokens)
             if placed is None:
                 raise Refused("unavailable", "no live replica could take the request")
             name, replica = placed
@@ -180,16 +180,16 @@ class Dispatcher:
                 stream.close()
         raise Refused("unavailable", f"request failed on {len(tried)} replicas: {', '.join(tried)}")
 
-    async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None):
+    async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None, tokens: int = 0):
         """Ask the controller until a replica is available (it may be restarting), up to place_timeout_s."""
         loop = asyncio.get_running_loop()
         t_end = loop.time() + self.g.place_timeout_s
         if deadline is not None:
             t_end = min(t_end, deadline)
         while True:
-            placed = await self.controller.place.remote(rid, need, tuple(tried))
+            placed = await self.controller.place.remote(rid, need, tuple(tried), tokens)
             if placed is None and tried:  # everything else is down: the one that failed may be back
-                placed = await self.controller.place.remote(rid, need, ())
+                placed = await self.controller.place.remote(rid, need, (), tokens)
             if placed is not None or loop.time() >= t_end:
                 return placed
             await asyncio.sleep(0.2)

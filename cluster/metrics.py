@@ -126,6 +126,8 @@ POOL_SERIES = (
     ("vtoken:naive_retained_blocks", "Blocks Naive-Evict would hold for the same live tokens",
      "naive_retained_blocks", False),
     ("vtoken:live_tokens", "Live (not evicted) tokens of the running requests", "live_tokens", False),
+    ("vtoken:tokens_to_go", "Tokens the running requests have still to read and generate (work left)",
+     "tokens_to_go", False),
     ("vtoken:fragmentation_ratio", "Share of the retained blocks' slots that hold no live token", "fragmentation",
      False),
     ("vtoken:blocks_freed", "Blocks returned to the pool by compaction", "blocks_freed_total", True),

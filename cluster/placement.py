@@ -16,7 +16,10 @@ from typing import NamedTuple
 class ReplicaView(NamedTuple):
     """What placement knows of a replica. ``promised`` counts blocks of requests placed there that its last
     report does not count yet (not admitted when its figures were read); ``effective_free`` subtracts them.
-    ``pending`` counts those requests: queued from the controller's side, though no report shows them yet."""
+    ``pending`` counts those requests: queued from the controller's side, though no report shows them yet.
+    ``tokens_to_go``: the work left there, in tokens: what its running requests have still to read of their
+    prompts and to generate (``max_tokens``), by its last report, plus the whole prompt and ``max_tokens`` of
+    each pending request."""
 
     name: str
     free_blocks: int
@@ -27,6 +30,7 @@ class ReplicaView(NamedTuple):
     blocks_reclaimed: int = 0
     stale: bool = False
     pending: int = 0
+    tokens_to_go: int = 0
 
     @property
     def effective_free(self) -> int:
@@ -98,23 +102,25 @@ class BestFit(PlacementStrategy):
 
 class Weighted(PlacementStrategy):
     """A weighted score over the replicas that fit the request, as llm-d's scheduler sums its scorers: the share
-    of the pool effectively free, less the running and waiting requests, each against the busiest replica.
-    Free blocks alone send a large pool twice the requests of a small one, though both compute at the same
-    speed; the running term spreads the compute. Requests placed since a replica's last report (``pending``)
-    wait there as far as placement knows: without them, a burst that arrives between two reports all goes to
-    the replica that looked least busy at the last one. Replicas that fit come first; stale reports last."""
+    of the pool effectively free, less the work left there (``tokens_to_go``) and less the waiting requests,
+    each against the busiest replica. Free blocks alone send a large pool twice the requests of a small one,
+    though both compute at the same speed; the work term spreads the compute. Work is counted in tokens, not
+    requests: a light request counts as little as it is, and one placed since the replica's last report counts
+    at once (its prompt and max_tokens), so a burst between two reports spreads too. Waiting requests are the
+    ones the replica reports queued (for blocks or a batch slot). Replicas that fit come first; stale reports
+    last."""
 
-    def __init__(self, w_free: float = 1.0, w_running: float = 1.0, w_waiting: float = 1.0):
-        self.w = (w_free, w_running, w_waiting)
+    def __init__(self, w_free: float = 1.0, w_work: float = 1.0, w_waiting: float = 1.0):
+        self.w = (w_free, w_work, w_waiting)
 
     def choose(self, replicas, need_blocks):
-        most_running = max(r.running for r in replicas) or 1
-        most_waiting = max(r.waiting + r.pending for r in replicas) or 1
-        wf, wr, ww = self.w
+        most_work = max(r.tokens_to_go for r in replicas) or 1
+        most_waiting = max(r.waiting for r in replicas) or 1
+        wf, ww, wq = self.w
 
         def score(r: ReplicaView) -> float:
             free = r.effective_free / r.total_blocks if r.total_blocks else 0.0
-            return wf * free - wr * r.running / most_running - ww * (r.waiting + r.pending) / most_waiting
+            return wf * free - ww * r.tokens_to_go / most_work - wq * r.waiting / most_waiting
 
         return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, score(r), r.name))
 

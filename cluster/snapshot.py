@@ -26,6 +26,7 @@ class ReplicaSnapshot(NamedTuple):
     promised_blocks: int
     report_age_s: float = -1.0  # seconds since the last report was received, -1 before the first
     promised_requests: int = 0  # the requests those promised blocks belong to
+    promised_tokens: int = 0  # their prompts and max_tokens: work left there that no report counts yet
 
 
 class ClusterSnapshot(NamedTuple):
@@ -43,9 +44,11 @@ def take_snapshot(ctl: Any) -> ClusterSnapshot:
     now = time.monotonic()
     promised: collections.Counter[str] = collections.Counter()
     pending: collections.Counter[str] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
     for p in ctl.promises.values():
         promised[p.replica] += p.blocks
         pending[p.replica] += 1
+        tokens[p.replica] += p.tokens
     return ClusterSnapshot(
         tuple(
             ReplicaSnapshot(
@@ -55,6 +58,7 @@ def take_snapshot(ctl: Any) -> ClusterSnapshot:
                 promised[st.name],
                 now - st.reported_at if st.reported_at else -1.0,
                 pending[st.name],
+                tokens[st.name],
             )
             for st in sorted(ctl.replicas.values(), key=lambda s: s.name)
         ),
@@ -82,6 +86,7 @@ def replica_views(snap: ClusterSnapshot, stale_after_s: float) -> list[ReplicaVi
             p.blocks_reclaimed,
             not 0 <= r.report_age_s <= stale_after_s,
             r.promised_requests,
+            p.tokens_to_go + r.promised_tokens,
         )
         for r in snap.replicas
         if r.state.serving()

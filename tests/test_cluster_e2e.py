@@ -194,16 +194,19 @@ def test_metrics_show_blocks_reclaimed_while_an_evicting_request_runs(served):
 
     t = threading.Thread(target=run)
     t.start()
-    reclaimed = 0.0
+    reclaimed = to_go = 0.0
     while not done.is_set() and reclaimed <= 0:
         reclaimed = scrape("vtoken:blocks_reclaimed")
+        to_go = max(to_go, scrape("vtoken:tokens_to_go"))  # the work left that weighted placement reads
         time.sleep(0.1)
     t.join(300)
     assert reclaimed > 0, "vtoken:blocks_reclaimed never positive while the request ran"
+    assert 0 < to_go <= 300 + 400, to_go  # at most its max_tokens and the prompt (~300 tokens) unread
     RESULTS["http_metrics_blocks_reclaimed"] = reclaimed
     assert scrape("vtoken:tokens_evicted_total") > evicted
     # done: nothing held, nothing reclaimed, once the replica's next pool report (about a second) says so
     wait_for(lambda: scrape("vtoken:blocks_reclaimed") == 0, 15, 0.1, what="blocks_reclaimed back to 0")
+    wait_for(lambda: scrape("vtoken:tokens_to_go") == 0, 15, 0.1, what="tokens_to_go back to 0")
 
 
 def test_an_http_client_that_disconnects_mid_stream_frees_vllms_blocks_within_2s(served):

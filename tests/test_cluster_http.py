@@ -37,7 +37,7 @@ METRICS = {
     "vtoken:blocks_reclaimed", "vtoken:retained_blocks", "vtoken:naive_retained_blocks", "vtoken:live_tokens",
     "vtoken:fragmentation_ratio", "vtoken:tokens_moved", "vtoken:tokens_evicted", "vtoken:compaction_seconds",
     "vtoken:blocks_freed", "vtoken:free_blocks", "vtoken:total_blocks", "vtoken:requests", "vtoken:placements",
-    "vtoken:autoscaler_decisions",
+    "vtoken:autoscaler_decisions", "vtoken:tokens_to_go",
 }  # fmt: skip
 
 

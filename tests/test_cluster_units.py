@@ -294,9 +294,10 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
     assert asyncio.run(ctl.place("x", 1)) is None
 
 
-def test_weighted_counts_requests_placed_since_the_last_report_as_waiting():
+def test_weighted_counts_requests_placed_since_the_last_report_as_work():
     """Reports lag arrivals: a burst placed between two reports must not all go to the replica that looked
-    least busy at the last one. Before requests placed since the report counted, all three below went to "b"."""
+    least busy at the last one. Before requests placed since the report counted, all three below went to "b".
+    They count as work there at once: their prompts and max_tokens (100 tokens each here)."""
     import asyncio
     import time
 
@@ -307,16 +308,48 @@ def test_weighted_counts_requests_placed_since_the_last_report_as_waiting():
     ctl = Controller(parse_config(cfg).model_dump())
     now = time.monotonic()
     for name, running in [("a", 2), ("b", 1)]:
-        pool = empty_pool(32)._replace(free_blocks=40, total_blocks=64, running=running)
+        pool = empty_pool(32)._replace(free_blocks=40, total_blocks=64, running=running, tokens_to_go=100 * running)
         ctl.replicas[name] = ReplicaState(
             name, handle=name, state="healthy", report=unreported(name)._replace(pool=pool), reported_at=now
         )
 
     async def place(n):
-        return [(await ctl.place(f"q{i}", 4))[0] for i in range(n)]
+        return [(await ctl.place(f"q{i}", 4, (), 100))[0] for i in range(n)]
 
-    assert asyncio.run(place(3)) == ["b", "a", "b"]  # 3 requests each, with those already running
-    assert {v.name: v.pending for v in ctl._views()} == {"a": 1, "b": 2}
+    assert asyncio.run(place(3)) == ["b", "a", "b"]  # 300 tokens to go each, with those already running
+    assert {v.name: (v.pending, v.tokens_to_go) for v in ctl._views()} == {"a": (1, 300), "b": (2, 300)}
+
+
+def test_weighted_counts_work_left_not_requests():
+    """Found on the real two replicas (`vtoken bench goodput`, skewed load): weighted sent the sixth heavy
+    request to the replica that already ran three, in 4 of 9 rounds, because the other had just taken a light
+    one: a light request placed since the last report counted as one waiting request, as much as a heavy one,
+    against the busiest replica's count (here all of it). Work left in tokens counts the light one as small."""
+    import asyncio
+    import time
+
+    from actors.report import empty_pool, unreported
+    from cluster.controller import Controller, ReplicaState
+
+    cfg = {"model": "fake", "engine": {"kind": "fake"}, "placement": {"strategy": "weighted"}}
+    ctl = Controller(parse_config(cfg).model_dump())
+    now = time.monotonic()
+    # a: three heavy requests running (575-token prompts, 160 tokens to generate, about 100 of them left each);
+    # b: two of them
+    for name, heavies in [("a", 3), ("b", 2)]:
+        pool = empty_pool(32)._replace(
+            free_blocks=45 - 10 * heavies, total_blocks=45, running=heavies, tokens_to_go=100 * heavies
+        )
+        ctl.replicas[name] = ReplicaState(
+            name, handle=name, state="healthy", report=unreported(name)._replace(pool=pool), reported_at=now
+        )
+
+    async def place(rid, blocks, tokens):
+        return (await ctl.place(rid, blocks, (), tokens))[0]
+
+    assert asyncio.run(place("light", 2, 8 + 16)) == "b"
+    assert {v.name: v.tokens_to_go for v in ctl._views()} == {"a": 300, "b": 224}
+    assert asyncio.run(place("heavy", 10, 575 + 160)) == "b"  # before: "a", a fourth heavy request there
 
 
 def test_a_promise_lasts_until_a_report_counts_the_request():

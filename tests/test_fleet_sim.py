@@ -121,12 +121,12 @@ def test_workloads_are_seeded():
 
 def test_best_fit_and_weighted_choose_as_documented():
     """best_fit: the tightest replica that fits (fresh first), else the most free; weighted: the free share
-    less running and waiting, each against the busiest; both put a replica that fits first."""
+    less the work left (tokens to go) and waiting, each against the busiest; both put a replica that fits first."""
     from cluster.placement import ReplicaView, make_strategy
 
     vs = [
-        ReplicaView("a", free_blocks=50, total_blocks=64, running=8),
-        ReplicaView("b", free_blocks=12, total_blocks=128, running=1),
+        ReplicaView("a", free_blocks=50, total_blocks=64, running=8, tokens_to_go=800),
+        ReplicaView("b", free_blocks=12, total_blocks=128, running=1, tokens_to_go=100),
         ReplicaView("c", free_blocks=120, total_blocks=128, promised=100, running=0),
         ReplicaView("d", free_blocks=9, total_blocks=64, stale=True),
     ]
@@ -135,7 +135,7 @@ def test_best_fit_and_weighted_choose_as_documented():
     assert bf.choose(vs, 30).name == "a"  # only a has 30 effectively free
     assert bf.choose(vs, 60).name == "a"  # nothing fits: the most effective free, as free_blocks
     w = make_strategy("weighted")
-    # a: 50/64 - 8/8 = -0.22; b: 12/128 - 1/8 = -0.03; c: 20/128 - 0 = 0.16 -> c
+    # a: 50/64 - 800/800 = -0.22; b: 12/128 - 100/800 = -0.03; c: 20/128 - 0 = 0.16 -> c
     assert w.choose(vs, 10).name == "c"
     assert w.choose(vs, 30).name == "a"  # the only one that fits
 

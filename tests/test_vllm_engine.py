@@ -256,3 +256,18 @@ def test_the_block_wise_scorer_makes_the_per_slot_scorers_decisions():
             assert new["evicted_positions"] == old["evicted_positions"]
             assert new["evicted_at_step"] == old["evicted_at_step"]
             assert new["output_token_ids"] == old["output_token_ids"]
+
+
+def test_tokens_to_go_counts_unread_prompt_and_tokens_left_to_generate():
+    """The pool report's work left (what weighted placement reads), on vLLM's Request fields by hand: a request
+    half way through its prompt, one decoding, one done."""
+    from types import SimpleNamespace as R
+
+    from vtoken.vllm_adapter.scheduler import tokens_to_go
+
+    reading = R(num_prompt_tokens=500, num_computed_tokens=200, max_tokens=160, num_output_tokens=0)
+    decoding = R(num_prompt_tokens=500, num_computed_tokens=540, max_tokens=160, num_output_tokens=40)
+    done = R(num_prompt_tokens=8, num_computed_tokens=23, max_tokens=16, num_output_tokens=16)
+    assert tokens_to_go([reading]) == 300 + 160
+    assert tokens_to_go([decoding]) == 120  # computed tokens past the prompt are outputs: nothing to read
+    assert tokens_to_go([reading, decoding, done]) == 580 and tokens_to_go([]) == 0

@@ -31,6 +31,9 @@ class PoolReport(NamedTuple):
     preemptions_total: int
 
     block_size: int
+    # Work left in tokens: what running requests have still to read of their prompts and to generate (up to
+    # their max_tokens), a measure of how long the replica stays busy that counts a long request as long.
+    tokens_to_go: int = 0
 
     @classmethod
     def from_wire(cls, fields) -> PoolReport:

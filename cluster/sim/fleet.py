@@ -83,7 +83,9 @@ class Fleet:
         self.draining: set[str] = set()
         self.promised: dict[str, int] = {}  # replica -> blocks promised to requests no report counts yet
         self.pending: dict[str, int] = {}  # replica -> those requests
-        self.promises: dict[int, tuple[str, int]] = {}
+        self.promised_tokens: dict[str, int] = {}  # replica -> their prompt + max_tokens
+        self.reported_tokens: dict[str, int] = {}  # replica -> tokens to go of its running requests, last report
+        self.promises: dict[int, tuple[str, int, int]] = {}
         self.seqs: dict[int, Seq] = {}
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq_no = itertools.count()
@@ -142,8 +144,8 @@ class Fleet:
         )
         name = self.strategy.choose(views, need).name
         self.out.placed_on[r.id] = name
-        self.promises[r.id] = (name, need)
-        self._promise(name, need)
+        self.promises[r.id] = (name, need, r.prompt + r.output)
+        self._promise(name, need, 1, r.prompt + r.output)
         rep = self.replicas[name]
         s = Seq(r, self.profiles[r.prefill_evict])
         self.seqs[r.id] = s
@@ -218,6 +220,7 @@ class Fleet:
         for s in rep.admitted_now:
             self._unpromise(s.req.id)
         rep.admitted_now = []
+        self.reported_tokens[rep.name] = sum(s.req.prompt - s.read + s.req.output - s.out for s in rep.running)
         if rep.name in self.healthy:
             self.healthy[rep.name] = ReplicaView(
                 rep.name,
@@ -227,18 +230,24 @@ class Fleet:
                 len(rep.running),
                 len(rep.waiting),
                 pending=self.pending.get(rep.name, 0),
+                tokens_to_go=self.reported_tokens[rep.name] + self.promised_tokens.get(rep.name, 0),
             )
 
-    def _promise(self, name: str, blocks: int, requests: int = 1) -> None:
+    def _promise(self, name: str, blocks: int, requests: int = 1, tokens: int = 0) -> None:
         self.promised[name] = self.promised.get(name, 0) + blocks
         self.pending[name] = self.pending.get(name, 0) + requests
+        self.promised_tokens[name] = self.promised_tokens.get(name, 0) + tokens
         if name in self.healthy:
-            self.healthy[name] = self.healthy[name]._replace(promised=self.promised[name], pending=self.pending[name])
+            self.healthy[name] = self.healthy[name]._replace(
+                promised=self.promised[name],
+                pending=self.pending[name],
+                tokens_to_go=self.reported_tokens.get(name, 0) + self.promised_tokens[name],
+            )
 
     def _unpromise(self, rid: int) -> None:
         p = self.promises.pop(rid, None)
         if p is not None:
-            self._promise(p[0], -p[1], -1)
+            self._promise(p[0], -p[1], -1, -p[2])
 
     # ------------------------------------------------------------------ replicas and autoscaling
     def _create(self, ready_in: float) -> None:

@@ -319,12 +319,22 @@ class VTokenScheduler(Scheduler):
             compaction_seconds_total=t.compaction_seconds,
             preemptions_total=t.preemptions,
             block_size=self.vt_bs,
+            tokens_to_go=tokens_to_go(self.running),
         )
 
     def vtoken_check_integrity(self) -> bool:
         """Testing and debugging: the compactor's invariants against vLLM's block lists (raises on a breach)."""
         self.vt_core.check_integrity()
         return True
+
+
+def tokens_to_go(requests) -> int:
+    """What ``requests`` (vllm/v1/request.py Request) have still to read of their prompts and to generate,
+    up to their max_tokens: O(requests) integer sums."""
+    return sum(
+        max(r.num_prompt_tokens - r.num_computed_tokens, 0) + max(r.max_tokens - r.num_output_tokens, 0)
+        for r in requests
+    )
 
 
 def external_id(rid: str) -> str:
