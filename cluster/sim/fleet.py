@@ -144,8 +144,9 @@ class Fleet:
         )
         name = self.strategy.choose(views, need).name
         self.out.placed_on[r.id] = name
-        self.promises[r.id] = (name, need, r.prompt + r.output)
-        self._promise(name, need, 1, r.prompt + r.output)
+        work = r.prompt + r.output
+        self.promises[r.id] = (name, need, work)
+        self._promise(name, need, 1, work)
         rep = self.replicas[name]
         s = Seq(r, self.profiles[r.prefill_evict])
         self.seqs[r.id] = s
@@ -230,7 +231,7 @@ class Fleet:
                 len(rep.running),
                 len(rep.waiting),
                 pending=self.pending.get(rep.name, 0),
-                tokens_to_go=self.reported_tokens[rep.name] + self.promised_tokens.get(rep.name, 0),
+                tokens_to_go=self._work(rep.name),
             )
 
     def _promise(self, name: str, blocks: int, requests: int = 1, tokens: int = 0) -> None:
@@ -241,8 +242,12 @@ class Fleet:
             self.healthy[name] = self.healthy[name]._replace(
                 promised=self.promised[name],
                 pending=self.pending[name],
-                tokens_to_go=self.reported_tokens.get(name, 0) + self.promised_tokens[name],
+                tokens_to_go=self._work(name),
             )
+
+    def _work(self, name: str) -> int:
+        """Tokens to go on ``name`` as placement sees them: its last report's, plus its promised requests'."""
+        return self.reported_tokens.get(name, 0) + self.promised_tokens.get(name, 0)
 
     def _unpromise(self, rid: int) -> None:
         p = self.promises.pop(rid, None)

@@ -222,7 +222,7 @@ def tables(result: dict) -> list[Table]:
                 s,
                 result["goodput"][s],
                 result["requests"] * result["rounds"],
-                ", ".join(str(r["completed_within_deadline"]) for r in runs),
+                ", ".join(map(str, per_round(result, s))),
                 "{} / {} / {}".format(*vs[s]) if s in vs else "-",
                 " / ".join(str(sorted(r["heavy_per_replica"].values(), reverse=True)) for r in runs),
                 round(sum(lat) / len(lat), 2) if lat else "-",
@@ -252,18 +252,21 @@ def tables(result: dict) -> list[Table]:
     ]
 
 
+def per_round(result: dict, strategy: str, label: str | None = None) -> list[int]:
+    """``strategy``'s completions in each round within the deadline ``label`` of the sweep (None: the run's)."""
+    runs = result["runs"][strategy]
+    if label is None:
+        return [r["completed_within_deadline"] for r in runs]
+    return [r["completed_within"][label] for r in runs]
+
+
 def rounds_against(result: dict, label: str | None = None, base: str = "round_robin") -> dict[str, list[int]]:
     """Per strategy (not ``base``): rounds won, tied and lost against ``base``, round by round, counting
     completions within the deadline ``label`` of the sweep (None: the run's deadline)."""
-
-    def counts(s: str) -> list[int]:
-        key = (lambda r: r["completed_within_deadline"]) if label is None else (lambda r: r["completed_within"][label])
-        return [key(r) for r in result["runs"][s]]
-
     out = {}
     for s in result["runs"]:
         if s != base and base in result["runs"]:
-            pairs = list(zip(counts(s), counts(base), strict=True))
+            pairs = list(zip(per_round(result, s, label), per_round(result, base, label), strict=True))
             out[s] = [sum(a > b for a, b in pairs), sum(a == b for a, b in pairs), sum(a < b for a, b in pairs)]
     return out
 
@@ -279,7 +282,7 @@ def sweep_table(result: dict) -> list[Table]:
         vs = rounds_against(result, label)
         row: list = [f"{label} x ({d:.1f} s)"]
         for s in names:
-            row.append(", ".join(str(r["completed_within"][label]) for r in result["runs"][s]))
+            row.append(", ".join(map(str, per_round(result, s, label))))
         row.extend("{} / {} / {}".format(*vs[s]) for s in names if s in vs)
         rows.append(row)
     others = [s for s in names if s != "round_robin"]
