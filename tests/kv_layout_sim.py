@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vtoken.kv_layout import TableLayout, learn, resolve
-from vtoken.mover import LAYOUTS
+from vtoken.kv_layout import LAYOUTS, TableLayout, learn, resolve
 
 
 def vnni_positions(bs: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

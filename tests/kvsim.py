@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from vtoken.compactor import Compactor, Progress
-from vtoken.mover import LAYOUTS, CpuMover, MoveBatch
+from vtoken.kv_layout import LAYOUTS
+from vtoken.move_batch import MoveBatch
+from vtoken.mover import CpuMover
 from vtoken.planner import moves_lower_bound, to_global_slots
 from vtoken.policies import make_policy
-from vtoken.records import RequestRecord
 
 NEVER = 10**9  # a budget no request reaches: the policy evicts nothing unless the test says so
 
@@ -80,6 +81,7 @@ class KVSim:
         mover=None,
         mode="vtoken",
         seed=0,
+        trace=False,
     ):
         self.bs, self.layers, self.heads, self.hs, self.layout = block_size, layers, heads, head_size, layout
         shape = (
@@ -90,18 +92,26 @@ class KVSim:
         self.kv = [torch.zeros(shape) for _ in range(layers)]
         self.pool = SimPool(num_blocks)
         self.reqs: dict[str, SimRequest] = {}
-        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks)
+        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks, trace=trace)
         self.mover = mover or CpuMover(block_size, layout)
         self.gen = torch.Generator().manual_seed(seed)
         self.moves_done = 0
         self.shared: list[SimBlock] = []  # blocks a phantom second request also holds (a cached prefix)
 
     # ---------------------------------------------------------------- requests
-    def add(self, rid: str, prompt: int, num_protected: int = 0, policy=None, prefill_evict: bool = True) -> None:
+    def add(
+        self,
+        rid: str,
+        prompt: int,
+        num_protected: int = 0,
+        policy=None,
+        prefill_evict: bool = True,
+        pressure: bool = False,
+    ) -> None:
         """A request whose first ``num_protected`` blocks (full) are shared with another request."""
         r = self.reqs[rid] = SimRequest()
         policy = policy or make_policy("random", budget=NEVER, sink=0, recent=0)
-        self.core.add(rid, RequestRecord(rid, 0), policy, prefill_len=prompt, prefill_evict=prefill_evict)
+        self.core.admit(rid, rid, policy, prefill_len=prompt, prefill_evict=prefill_evict, pressure=pressure)
         if num_protected:
             r.computed = num_protected * self.bs  # a prefix-cache hit: those tokens' KV exists already
             r.blocks += self.pool.get_new_blocks(num_protected)
@@ -109,17 +119,39 @@ class KVSim:
                 b.ref_cnt += 1  # the phantom sharer
             self.shared += r.blocks
 
-    def finish(self, rid: str) -> None:
-        self.core.remove(rid, finished=True)
+    def finish(self, rid: str) -> dict | None:
+        """The request finished: its blocks go back; returns its trace line when the simulator traces."""
+        line = self.core.remove(rid, finished=True)
         self.pool.free_blocks(reversed(self.reqs.pop(rid).blocks))
+        return line
+
+    def preempt(self, rid: str, policy=None, pressure: bool = False) -> None:
+        """vLLM's recompute preemption: the blocks go back, and the request is admitted again to recompute every
+        token it had (prompt and outputs) before it samples again, as a new run."""
+        self.core.remove(rid, finished=False)
+        r = self.reqs[rid]
+        self.pool.free_blocks(reversed(r.blocks))
+        r.blocks, r.kv, prefill = [], [], r.computed
+        r.computed = 0
+        policy = policy or make_policy("random", budget=NEVER, sink=0, recent=0)
+        self.core.admit(rid, rid, policy, prefill_len=prefill, outputs_at_start=r.outputs, pressure=pressure)
 
     # ---------------------------------------------------------------- one engine step
-    def step(self, forwards: dict[str, int], kills: dict[str, tuple[int, int]] | None = None) -> MoveBatch:
+    def step(
+        self,
+        forwards: dict[str, int],
+        kills: dict[str, tuple[int, int]] | None = None,
+        waiting: list[int] = (),
+        watermark: int = 0,
+    ) -> MoveBatch:
         """``forwards``: request -> new tokens its forward computes this step. ``kills``: request -> (n, seed): the
         test evicts n random live tokens outside shared blocks (after the policy's own decisions), as a policy
-        would. Returns the step's moves."""
+        would. ``waiting`` and ``watermark``: pressure mode's demand beyond the running requests (the tokens of
+        each waiting request's first forward, and blocks kept free). Returns the step's moves."""
         plan = self.core.plan_step(
-            [Progress(rid, r.computed, r.outputs, forwards.get(rid, 1)) for rid, r in self.reqs.items()]
+            [Progress(rid, r.computed, r.outputs, forwards.get(rid, 1)) for rid, r in self.reqs.items()],
+            waiting,
+            watermark,
         )
         batches = [plan.moves]
         self.evicted = {}  # request -> (moves, their lower bound, blocks kept, live tokens) of the test's evictions

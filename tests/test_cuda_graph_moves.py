@@ -5,22 +5,36 @@ graph that lacks the waits. Imports no vLLM: the GPU machine has none."""
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from vtoken.bench.attention_stack import PagedStack, Shapes  # noqa: E402
 from vtoken.fused_mover import FusedMover  # noqa: E402
-from vtoken.mover import MoveBatch, ReferenceMover, graph_safe_events  # noqa: E402
+from vtoken.move_batch import MoveBatch  # noqa: E402
+from vtoken.mover import ReferenceMover, graph_safe_events  # noqa: E402
 
 
 def test_attention_stack_runs_on_cpu_and_waits_before_each_cache_write():
     s = Shapes(layers=3, heads=4, kv_heads=2, head_size=16, hidden=64, ffn=128)
     stack = PagedStack(s, batch=3, context=20, block_size=8, dtype=torch.float32, device="cpu")
+    before = [kv.transpose(1, 2)[stack._where].clone() for kv in stack.kv]  # the slots this step writes
     order = []
-    stack.step(order.append)
+
+    def wait(i):  # layer i's wait comes before layer i writes its cache, and after layer i - 1 wrote its own
+        assert torch.equal(stack.kv[i].transpose(1, 2)[stack._where], before[i])
+        assert i == 0 or not torch.equal(stack.kv[i - 1].transpose(1, 2)[stack._where], before[i - 1])
+        order.append(i)
+
+    stack.step(wait)
     assert order == [0, 1, 2] and torch.isfinite(stack.out).all()
-    row = stack.kv[0].transpose(1, 2)[stack._where]  # this step's K and V landed at slot_mapping
-    assert row.abs().sum() > 0
+    # Layer 0's K and V, computed here from the step's input, landed exactly at slot_mapping.
+    w_qkv = stack.w[0][0]
+    _, k, v = (F.rms_norm(stack.x, (s.hidden,)) @ w_qkv).split(
+        [s.heads * s.head_size, s.kv_heads * s.head_size, s.kv_heads * s.head_size], -1
+    )
+    want = torch.cat([k.view(3, s.kv_heads, -1), v.view(3, s.kv_heads, -1)], -1)
+    assert torch.allclose(stack.kv[0].transpose(1, 2)[stack._where], want)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -12,8 +12,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 from vtoken.fused_mover import FusedMover, group_sizes  # noqa: E402
+from vtoken.kv_layout import LAYOUTS  # noqa: E402
+from vtoken.move_batch import MoveBatch  # noqa: E402
 from vtoken.move_kernel import pool_rows  # noqa: E402
-from vtoken.mover import LAYOUTS, MoveBatch, ReferenceMover  # noqa: E402
+from vtoken.mover import ReferenceMover  # noqa: E402
 
 BS, NB, H, HS, LAYERS = 4, 12, 2, 8, 5  # 5 layers: groups of 1, 2, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

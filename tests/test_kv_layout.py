@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kv_layout_sim import vnni_layout, vnni_write
 
-from vtoken.kv_layout import learn, resolve, table_of
-from vtoken.mover import LAYOUTS, CpuMover, MoveBatch, ReferenceMover
+from vtoken.kv_layout import LAYOUTS, learn, resolve, table_of
+from vtoken.move_batch import MoveBatch
+from vtoken.mover import CpuMover, ReferenceMover
 
 BS, HS, NB, H, LAYERS = 32, 32, 6, 2, 2
 

@@ -6,7 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vtoken.mover import CpuMover, MoveBatch, ReferenceMover, make_mover
+from vtoken.move_batch import MoveBatch
+from vtoken.mover import CpuMover, ReferenceMover
+from vtoken.mover_factory import make_mover
 
 BS, NB, H, HS, LAYERS = 4, 12, 2, 8, 3
 
@@ -70,7 +72,6 @@ def test_cpu_layout_token_addressing():
     blk, off, head = 1, 2, 1
     kv[blk, head, : HS * BS].view(HS, BS)[:, off] = k
     kv[blk, head, HS * BS :].view(BS, HS)[off] = v
-    out = [torch.zeros_like(kv)]
     batch = MoveBatch(np.array([blk * BS + off]), np.array([0 * BS + 3]))
     out = [kv.clone()]
     CpuMover(BS).apply(out, batch)

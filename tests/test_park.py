@@ -12,12 +12,15 @@ import pytest
 import torch
 from kv_layout_sim import vnni_layout
 
-from vtoken.mover import LAYOUTS, CpuMover, MoveBatch
+from vtoken.kv_layout import LAYOUTS
+from vtoken.move_batch import MoveBatch
+from vtoken.mover import CpuMover
 from vtoken.park import Parked, TierSlots
 from vtoken.policies import ATTN_HIST, ATTN_SUM
 from vtoken.scores import AttentionScorer, uniform_share
 from vtoken.scores_reference import window_probs
 from vtoken.tier import KVTier
+from vtoken.worker_step import apply_kv_step
 
 BS, D, HEADS, LAYERS, BLOCKS = 32, 16, 2, 3, 12  # VNNI packs V in groups of 16 elements
 
@@ -83,28 +86,33 @@ def test_parked_tokens_come_back_byte_for_byte_in_every_layout(name):
         assert torch.equal(t[torch.as_tensor(dst)], w)
 
 
-def apply_step(tier, kv, park: MoveBatch, restore: MoveBatch, moves: MoveBatch, fetch_first: bool = True):
-    """The worker's order (model_runner._vt_apply): fetch restored tokens, park, move, restore."""
-    if not fetch_first:  # negative control: the tier slot a restore reads may already hold a new parked token
-        tier.park(kv, [], park)
-    fetched = tier.fetch(restore)
-    if fetch_first:
-        tier.park(kv, [], park)
-    CpuMover(BS, "cpu").apply(kv, moves)
-    tier.restore(kv, [], restore, fetched)
+class ParksBeforeItFetches(KVTier):
+    """Planted bug: ``fetch`` returns a handle and ``restore`` reads the tier only then, after this step's parking
+    may have reused the slot (what a byte order that parks before it fetches would do)."""
+
+    def fetch(self, batch):
+        return batch
+
+    def restore(self, kv_caches, extra, batch, fetched):
+        super().restore(kv_caches, extra, batch, super().fetch(fetched))
+
+
+def apply_step(tier, kv, park: MoveBatch, restore: MoveBatch, moves: MoveBatch):
+    """The worker's byte order, the runner's own function (vtoken/worker_step.py)."""
+    apply_kv_step(CpuMover(BS, "cpu"), tier, kv, [], moves, park, restore)
 
 
 @pytest.mark.parametrize("fetch_first", [True, False])
 def test_a_tier_slot_freed_by_one_request_and_parked_into_by_another_in_the_same_step(fetch_first):
     kv = caches("cpu")
-    tier = KVTier(4, kv, "cpu", BS, D)
+    tier = (KVTier if fetch_first else ParksBeforeItFetches)(4, kv, "cpu", BS, D)
     tier.park(kv, [], MoveBatch(np.array([10]), np.array([0])))  # request A parked slot 10 into tier slot 0
     a_token = token(kv[0], "cpu", 10).clone()
     b_token = token(kv[0], "cpu", 70).clone()
     # This step: A restores tier slot 0 into pool slot 33 while B parks pool slot 70 into the same tier slot 0,
     # and B's packing moves slot 71 into the hole at 70.
     apply_step(tier, kv, MoveBatch(np.array([70]), np.array([0])), MoveBatch(np.array([0]), np.array([33])),
-               MoveBatch(np.array([71]), np.array([70])), fetch_first)  # fmt: skip
+               MoveBatch(np.array([71]), np.array([70])))  # fmt: skip
     restored, parked = token(kv[0], "cpu", 33), tier.kv[0][0]
     if fetch_first:
         assert torch.equal(restored, a_token) and torch.equal(parked, b_token)

@@ -1,12 +1,12 @@
-"""Compactor: where a token's life is decided each step and where the survivors are packed. No vLLM import.
+"""Compactor: where a token's life is decided each step and where the survivors are packed. No vLLM, no torch.
 
 The engine's scheduler (vtoken/vllm_adapter/scheduler.py) and the property tests (tests/kvsim.py) drive this
 same code, one engine step at a time:
 
     before vLLM schedules   plan_step(progress)    sync each TokenTable with the tokens computed so far; at a
-                                                   prefill chunk boundary or a decode step, let the policy
-                                                   evict; plan the compaction; shrink the block list; free
-                                                   the emptied blocks (naive mode: hold Naive-Evict's ballast)
+                                                   decision point, let the policy evict; plan the compaction;
+                                                   shrink the block list; free the emptied blocks (naive mode:
+                                                   hold Naive-Evict's ballast)
     after vLLM scheduled    scheduled(rid, n, ...)  a forward of n new tokens runs: record it, and say which
                                                    queries the worker scores and whether it sends them back
     after the forward       receive_stats(rid, s)  attention statistics per physical slot
@@ -15,47 +15,48 @@ same code, one engine step at a time:
 The pool is anything with vLLM's BlockPool methods ``get_new_blocks(n)``, ``free_blocks(blocks)``,
 ``get_num_free_blocks()`` and ``evict_blocks(block_ids)`` (drop prefix-cache entries); blocks have
 ``block_id`` and ``ref_cnt``. ``blocks_of(rid)`` returns the request's block list, which the compactor shrinks
-in place (vLLM's ``req_to_blocks[rid]``).
+in place (vLLM's ``req_to_blocks[rid]``). The engine's glue reads nothing else of the compactor than its methods
+(``gap``, ``may_cache``, ``pressure_active``, ``progress``, ``admit``, ``remove``, ``report`` ...).
 
 A forward is a PREFILL chunk while the request (re)computes the tokens it had when it was admitted (the prompt;
-after a preemption, the prompt and the outputs so far); after that, every forward is a decode step. Eviction:
-  * at a chunk boundary (``prefill_evict``), among the tokens computed so far, with policy step 0;
-  * at decode step s (the s-th output token has been sampled), every ``interval`` steps, as before.
-A policy that needs attention statistics evicts only with statistics from the forward just run: a decode
-query, or the observation window (the last ``window`` queries) of the chunk just computed. A policy with
-``score_every`` = k > 1 has only every k-th decode step observed, so it evicts only after those. These timing
-rules live in one place, vtoken/schedule.py.
+after a preemption, the prompt and the outputs so far); after that, every forward is a decode step. WHEN a request
+may evict is vtoken/schedule.py's business; WHAT it does then depends on its phase (vtoken/phase.py):
 
-Two options change the rules:
-  * parking (``tier``, vtoken/park.py): what a chunk boundary drops waits in a second tier outside the pool;
-    at the boundary after the last chunk the survivors are chosen among live and parked tokens together, by
-    the last chunk's window (the question), and parked survivors come back;
-  * ``pressure``: the budget is a floor, not a target. A request keeps every token until the pool runs short
-    (``plan_step``'s ``shortfall``: blocks the running and waiting requests need beyond the free ones); then
-    requests shed, one at a time, until the shortfall is covered. A request that sheds keeps to its budget from
-    then on (today's rule), so its peak is bounded from its first shed on. Order: requests that have read their
-    prompt first (their statistics have seen the question), then those still reading it (with parking what
-    they shed is parked); within each, the one holding most above its budget first (fewest requests lose
-    tokens).
+    keeping   (pressure mode) nothing until the pool runs short
+    reading   evict to the budget at a chunk boundary; with a tier (``tier``, vtoken/park.py) the victims are
+              parked outside the pool
+    choosing  (parked tokens, the question read) choose among live and parked tokens by the last chunk's window;
+              parked winners come back into pool slots
+    decoding  evict to the budget at decode steps
+
+Pressure mode (``evict: "pressure"``): the budget is a floor, not a target. A request keeps every token until the
+pool runs short (``plan_step``'s shortfall: blocks the running and waiting requests need, plus a watermark, beyond
+the free ones); then requests shed, one at a time, until the shortfall is covered. A request that sheds keeps to
+its budget from then on, so its peak is bounded from its first shed on. Order: requests that have read their
+prompt first (their statistics have seen the question), then those still reading it (with parking what they shed
+is parked); within each, the one holding most above its budget first (fewest requests lose tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from vtoken.mover import MoveBatch
-from vtoken.park import Parked, TierSlots
+from vtoken.move_batch import MoveBatch
+from vtoken.park import TierSlots
+from vtoken.phase import Phase, check_phase
 from vtoken.planner import CompactionPlan, plan_compaction, to_global_slots
 from vtoken.policies import EvictionPolicy, PolicyInput
-from vtoken.records import EngineTotals, RequestRecord
+from vtoken.records import EngineTotals, RequestRecord, TraceBook, request_seed
+from vtoken.request_state import RequestState
 from vtoken.schedule import Schedule
 from vtoken.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
+logger = logging.getLogger(__name__)
 
 
 class Progress(NamedTuple):
@@ -75,16 +76,26 @@ class ScoreAsk(NamedTuple):
     parked: np.ndarray | None = None  # tier slots scored with the live keys in one softmax (the last chunk)
 
 
-def _none() -> MoveBatch:
-    return MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64))
-
-
 class StepPlan(NamedTuple):
     moves: MoveBatch  # global slots, all requests, one gather-then-scatter
     keep_blocks: dict[str, int]  # request -> blocks it keeps (its list was truncated)
     gaps: dict[str, int]  # request -> logical - physical length, where it changed
-    park: MoveBatch = _none()  # pool slot -> tier slot, read before this step's moves
-    restore: MoveBatch = _none()  # tier slot -> pool slot, written after this step's moves
+    park: MoveBatch = MoveBatch.empty()  # pool slot -> tier slot, read before this step's moves
+    restore: MoveBatch = MoveBatch.empty()  # tier slot -> pool slot, written after this step's moves
+
+
+class CoreReport(NamedTuple):
+    """The compactor in a few numbers, for a replica's frequent pool report: O(requests + blocks)."""
+
+    live_tokens: int
+    retained_blocks: int  # blocks the requests hold (naive mode: with the ballast)
+    naive_retained_blocks: int  # what Naive-Evict would hold for the same live tokens
+    admitted: tuple[str, ...]  # the callers' ids of the requests it tracks
+    blocks_freed: int  # counters since the engine started
+    tokens_evicted: int
+    tokens_moved: int
+    compaction_seconds: float
+    preemptions: int
 
 
 class CompactorError(RuntimeError):
@@ -115,52 +126,19 @@ def kill_and_pack(
     return Packed(moves, holes, plan)
 
 
-@dataclass(eq=False)
-class RequestState:
-    """One request's vToken state.
-
-    Invariants (``Compactor.check_integrity``): the table's physical slots fit the request's blocks; in vtoken
-    mode no ballast; ballast blocks belong to no request's block list; once ``dirty`` (a token died) the
-    request's blocks are never prefix-cached again (until a preemption starts it over).
-    """
-
-    request_id: str  # the engine's id
-    policy: EvictionPolicy
-    table: TokenTable
-    record: RequestRecord
-    prefill_len: int  # tokens to compute before the first new output token
-    prefill_evict: bool
-    window: int  # prefill observation window (queries)
-    schedule: Schedule = Schedule()  # when it may evict (vtoken/schedule.py)
-    ballast: list = field(default_factory=list)  # naive mode: blocks held as Naive-Evict would
-    stats: dict[str, np.ndarray] | None = None  # from the last forward that exported them, per physical slot
-    parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
-    shedding: bool = True  # False in pressure mode until it sheds once; then it keeps to its budget (today's rule)
-    gap_sent: int = 0
-    dirty: bool = False
-    compacted_at: int = -1  # the step of its last compaction: at most one per step (the moves of a step are
-    # applied as one simultaneous gather-then-scatter, so a second plan against moved slots would be wrong)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.table.num_logical < self.prefill_len
-
-    @property
-    def gap(self) -> int:
-        return self.table.num_logical - self.table.physical_len
-
-    def keep(self, num_logical: int) -> int:
-        """Live tokens the policy may leave at this length: its budget, unless sink and recent hold more."""
-        p = self.policy
-        return max(p.target(num_logical), min(num_logical, p.sink + p.recent))
-
-
 class Compactor:
-    """``tier``: the parking tier's slots (None: no parking). A request added with ``pressure`` evicts only when
-    ``plan_step`` is told the pool runs short (see the module docstring)."""
+    """``tier``: the parking tier's slots (None: no parking). ``trace``: keep what the audit trail needs across
+    preemptions (``remove`` then returns a finished request's trace fields). A request added with ``pressure``
+    evicts only when ``plan_step`` finds the pool short (see the module docstring)."""
 
     def __init__(
-        self, mode: str, block_size: int, pool: Any, blocks_of: Callable[[str], list], tier: TierSlots | None = None
+        self,
+        mode: str,
+        block_size: int,
+        pool: Any,
+        blocks_of: Callable[[str], list],
+        tier: TierSlots | None = None,
+        trace: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
@@ -168,6 +146,7 @@ class Compactor:
         self.tier = tier
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
+        self.traces = TraceBook() if trace else None
         self.step = 0
         self._park: list[MoveBatch] = []  # this step's park and restore moves
         self._restore: list[MoveBatch] = []
@@ -186,24 +165,70 @@ class Compactor:
         if request_id in self.states:
             raise CompactorError(f"request {request_id} added twice")
         schedule = Schedule.of(policy, prefill_evict, window, eager=pressure)
+        phase = Phase.KEEPING if pressure else Phase.READING  # "always": keeps to its budget from the start
         st = RequestState(
-            request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule
+            request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule, phase
         )
-        st.shedding = not pressure  # "always": keeps to its budget from the start
         self.states[request_id] = st
         return st
 
-    def remove(self, request_id: str, finished: bool) -> RequestState | None:
+    def admit(
+        self,
+        request_id: str,
+        caller_id: str,
+        policy: EvictionPolicy,
+        prefill_len: int,
+        prefill_evict: bool = True,
+        window: int = 32,
+        pressure: bool = False,
+        prefix_cached: int = 0,
+        outputs_at_start: int = 0,
+        logprobs: bool = False,
+    ) -> RequestState:
+        """A request's first forward (new, or resumed after a preemption: it recomputes ``prefill_len`` tokens,
+        prompt and outputs so far, before it samples again). ``caller_id``: the id its trace and records carry.
+        ``logprobs``: the request asked for log-probabilities (the trace keeps the sampled tokens')."""
+        record = RequestRecord(
+            caller_id,
+            request_seed(caller_id),
+            policy=policy.name,
+            budget=policy.budget,
+            prefix_cached=prefix_cached,
+            outputs_at_start=outputs_at_start,
+        )
+        earlier, so_far = self.traces.resume(request_id) if self.traces else ([], None)
+        record.earlier = earlier
+        if logprobs:
+            record.logprobs = so_far if so_far is not None else []
+        return self.add(request_id, record, policy, prefill_len, prefill_evict, window, pressure)
+
+    def remove(
+        self, request_id: str, finished: bool, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
+    ) -> dict[str, Any] | None:
         """The request finished, or was preempted (then it starts over with a new state). Its ballast goes back
-        to the pool; the caller frees its own blocks."""
+        to the pool; the caller frees its own blocks. Returns a finished request's trace line when tracing."""
         st = self.states.pop(request_id, None)
-        if st is None:
+        if st is not None:
+            self._forget(st, finished)
+        if self.traces is None:
             return None
+        if not finished:
+            if st is not None:
+                self.traces.preempted(request_id, st.record)
+            return None
+        line = self.traces.finished(request_id, st.record if st is not None else None)
+        if line is None:
+            return None
+        caller, fields = line
+        return {"request_id": caller, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
+                **fields}  # fmt: skip
+
+    def _forget(self, st: RequestState, finished: bool) -> None:
         if st.parked.size:  # preempted (or ended) while reading its prompt: its parked tokens are gone
             self.tier.give(st.parked.tier)
             st.parked.clear()
         if finished:
-            st.record.finish(st.table, len(self.blocks_of(request_id)), len(st.ballast))
+            st.record.finish(st.table, len(self.blocks_of(st.request_id)), len(st.ballast))
             self.totals.add_finished(st.record)
         else:
             self.totals.preemptions += 1
@@ -211,17 +236,95 @@ class Compactor:
         if st.ballast:
             self.pool.free_blocks(reversed(st.ballast))
             st.ballast = []
-        return st
 
     def receive_stats(self, request_id: str, stats: dict[str, np.ndarray]) -> None:
         st = self.states.get(request_id)
         if st is not None:
             st.stats = stats
 
+    # ---------------------------------------------------------------- what the engine's glue asks
+    def tracks(self, request_id: str) -> bool:
+        """Admitted and not yet finished or preempted."""
+        return request_id in self.states
+
+    def gap(self, request_id: str) -> int:
+        """Logical minus physical length: vLLM sizes a request's blocks by its physical tokens."""
+        st = self.states.get(request_id)
+        return 0 if st is None else st.gap
+
+    def may_cache(self, request_id: str) -> bool:
+        """May the request's full blocks be hashed into the prefix cache? Not once a token of it died: its blocks
+        no longer hold the logical tokens their hash would name."""
+        st = self.states.get(request_id)
+        return st is None or not st.dirty
+
+    def pressure_active(self) -> bool:
+        """Some request keeps every token until the pool runs short (pressure mode, before its first shed)."""
+        return any(st.phase is Phase.KEEPING for st in self.states.values())
+
+    def progress(self, request_id: str, num_computed: int, num_output: int, chunk: int) -> Progress | None:
+        """Where a running request stands (None: not tracked); ``chunk``: the engine's largest prefill forward."""
+        st = self.states.get(request_id)
+        if st is None:
+            return None
+        left = st.prefill_len - num_computed
+        return Progress(request_id, num_computed, num_output, min(left, chunk) if left > 0 else 1)
+
+    def num_live(self, request_id: str) -> int:
+        """The request's live tokens (0: not tracked)."""
+        st = self.states.get(request_id)
+        return 0 if st is None else st.table.num_live
+
+    def wants_logprobs(self, request_id: str) -> bool:
+        st = self.states.get(request_id)
+        return self.traces is not None and st is not None and st.record.logprobs is not None
+
+    def add_logprobs(self, request_id: str, logprobs: Sequence[float]) -> None:
+        """The sampled tokens' log-probabilities of this step, for the trace."""
+        self.states[request_id].record.logprobs.extend(logprobs)
+
+    def decoding_len(self, request_id: str) -> int | None:
+        """The physical length of a request that has read its prompt; None otherwise (testing: relocation)."""
+        st = self.states.get(request_id)
+        return None if st is None or st.in_prefill else st.table.physical_len
+
+    def note_step(self, running: int, seconds: float) -> None:
+        """The engine's step: how many requests ran, and the host time spent planning and recording."""
+        self.totals.peak_running = max(self.totals.peak_running, running)
+        self.totals.compaction_seconds += seconds
+
+    def note_worker(self, move_seconds: float, bytes_moved: int, tokens_moved: int = 0) -> None:
+        """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
+        self.totals.move_seconds += move_seconds
+        self.totals.bytes_moved += bytes_moved
+        self.totals.tokens_moved += tokens_moved
+
+    def stats(self, reset: bool = False, running: int = 0) -> dict[str, Any]:
+        """Per-request figures and the engine's totals (vtoken/records.py). Walks every request: for tests and
+        benchmarks. ``reset``: afterwards start peak_running (at ``running``) and the finished list afresh."""
+        reqs = {}
+        for rid, st in self.states.items():
+            reqs[st.record.request_id] = st.record.snapshot(st.table, len(self.blocks_of(rid)), len(st.ballast))
+        out = {"requests": reqs, **self.totals.summary(reqs, self.bs)}
+        if reset:
+            self.totals.peak_running = running
+            self.totals.finished.clear()
+        return out
+
+    def report(self) -> CoreReport:
+        live, retained, naive = self.pool_totals()
+        admitted = tuple(sorted(st.record.request_id for st in self.states.values()))
+        t = self.totals
+        return CoreReport(live, retained, naive, admitted, t.blocks_freed, t.tokens_evicted, t.tokens_moved,
+                          t.compaction_seconds, t.preemptions)  # fmt: skip
+
     # ---------------------------------------------------------------- before vLLM schedules
-    def plan_step(self, progress: Iterable[Progress], shortfall: int = 0) -> StepPlan:
-        """``shortfall`` (pressure mode): the blocks that requests waiting to be admitted need, plus a watermark,
-        beyond the free ones; the running requests' next forwards are added here, once their tables are synced."""
+    def plan_step(self, progress: Iterable[Progress], waiting: Sequence[int] = (), watermark: int = 0) -> StepPlan:
+        """``waiting`` (pressure mode): the tokens the first forward of each request waiting to be admitted reads,
+        in the order the engine admits them; ``watermark``: blocks kept free on top of the demand. With them the
+        shortfall is taken from the pool as it stands before this step's evictions; the running requests' next
+        forwards are added once their tables are synced."""
+        shortfall = self._waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
         self.step += 1
         moves, keep = [], {}
         self._park, self._restore = [], []
@@ -232,23 +335,23 @@ class Compactor:
             fresh[st.request_id], st.stats = st.stats, None
         for p, st in todo:
             stats = fresh[st.request_id]
-            if st.parked.size and st.table.num_logical >= st.prefill_len - 1:
+            if st.phase is Phase.CHOOSING:
                 batch = self._choose_with_parked(st, stats)
-            elif not st.shedding:
+            elif st.phase is Phase.KEEPING:
                 continue  # pressure mode: keeps every token until the pool runs short
             else:
                 batch = self._evict_by_policy(st, p, stats)
             if batch is not None:
                 moves.append(batch)
                 keep[st.request_id] = len(self.blocks_of(st.request_id))
-        if any(not st.shedding for _, st in todo):
+        if any(st.phase is Phase.KEEPING for _, st in todo):
             shortfall += sum(self._need(st, p.next_tokens) for p, st in todo)
         if shortfall > 0:
             for p, st in self._shedding_order(todo, fresh):
                 if shortfall <= 0:
                     break
                 before, need = len(self.blocks_of(st.request_id)), self._need(st, p.next_tokens)
-                st.shedding = True
+                self._to(st, Phase.READING if st.in_prefill else Phase.DECODING, f"shed: the pool is {shortfall} short")
                 st.record.shed_at = st.record.forwards
                 batch = self._evict_by_policy(st, p, fresh[st.request_id], shed=True)
                 if batch is not None:
@@ -266,6 +369,16 @@ class Compactor:
         return StepPlan(MoveBatch.concat(moves), keep, gaps, MoveBatch.concat(self._park),
                         MoveBatch.concat(self._restore))  # fmt: skip
 
+    def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
+        """Blocks the waiting requests' first forwards need, plus the watermark, beyond the free ones."""
+        return sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
+
+    def _to(self, st: RequestState, phase: Phase, why: str) -> None:
+        """THE phase change of a request: checked against vtoken/phase.py's table, and logged."""
+        check_phase(st.request_id, st.phase, phase, why)
+        logger.debug("vtoken: request %s %s -> %s (%s)", st.request_id, st.phase, phase, why)
+        st.phase = phase
+
     def _need(self, st: RequestState, writing: int) -> int:
         """Blocks the request's next forward takes from the pool (it writes ``writing`` tokens)."""
         return max(-(-(st.table.physical_len + writing) // self.bs) - len(self.blocks_of(st.request_id)), 0)
@@ -274,21 +387,24 @@ class Compactor:
         victims = self._decide(st, p.num_output, stats, shed)
         if victims.size == 0:
             return None
-        park = self.tier is not None and st.in_prefill and bool(st.policy.needs)
+        park = self.tier is not None and st.phase.parks() and bool(st.policy.needs)
         return self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
 
     def _shedding_order(self, todo, fresh) -> list[tuple[Progress, RequestState]]:
-        """Requests that may shed, in the order they do (module docstring): not yet shedding, over their budget,
-        and (attention policies) with statistics from the forward just run."""
+        """Requests that may shed, in the order they do (module docstring): still keeping every token, over their
+        budget, and (attention policies) with statistics from the forward just run."""
         out = []
         for p, st in todo:
             n = st.table.num_logical
-            if st.shedding or st.table.num_live <= st.keep(n) or (st.policy.needs and fresh[st.request_id] is None):
+            if st.phase is not Phase.KEEPING or st.table.num_live <= st.keep(n):
+                continue
+            if st.policy.needs and fresh[st.request_id] is None:
                 continue
             out.append((st.in_prefill, -(st.table.num_live - st.keep(n)), st.request_id, p, st))
         return [(p, st) for *_, p, st in sorted(out, key=lambda t: t[:3])]
 
     def _sync(self, st: RequestState, num_computed: int) -> None:
+        """The table catches up with the tokens computed so far; the phase follows the prompt's progress."""
         new = num_computed - st.table.num_logical
         if new < 0:
             raise CompactorError(
@@ -297,16 +413,20 @@ class Compactor:
             )
         if new:
             st.table.append(new)
+        if st.phase is Phase.READING:
+            n = st.table.num_logical
+            if st.schedule.chooses(st.parked.size > 0, n, st.prefill_len):
+                self._to(st, Phase.CHOOSING, f"the question read ({n} of {st.prefill_len}), {st.parked.size} parked")
+            elif n >= st.prefill_len:
+                self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
 
     def _decide(
         self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None, shed: bool = False
     ) -> np.ndarray:
         none = np.empty(0, dtype=np.int64)
-        step = st.schedule.step_at(st.table.num_logical, st.prefill_len, num_output)
+        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, num_output, shed)
         if step is None:
             return none
-        if shed:
-            step = 0  # shedding is not bound to the interval: the pool is short now
         policy = st.policy
         if policy.needs and stats is None:
             return none
@@ -384,15 +504,16 @@ class Compactor:
         return packed.moves, kept
 
     def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
-        """The boundary after the last chunk of a request with parked tokens: the policy chooses among live and
-        parked tokens by the last chunk's window over both (its ``parked:<name>`` statistics); live losers die,
-        parked winners come back into the slots the packing frees, parked losers are freed for good (evicted
-        from the forward that parked them). Without those statistics (not expected) every parked token is
-        freed and the live ones are judged as without parking."""
+        """The decision of a ``choosing`` request: the policy chooses among live and parked tokens by the last
+        chunk's window over both (its ``parked:<name>`` statistics); live losers die, parked winners come back
+        into the slots the packing frees, parked losers are freed for good (evicted from the forward that parked
+        them). Without those statistics (not expected) every parked token is freed and the live ones are judged
+        as without parking."""
         parked = st.parked
         names = st.policy.needs
         if stats is None or any(f"parked:{n}" not in stats for n in names):
             self._discard(st, np.arange(parked.size))
+            self._chosen(st)
             return None
         live = st.table.live_logical()
         slots = st.table.slot_of[live]
@@ -414,7 +535,12 @@ class Compactor:
         batch, _ = self._compact(st, dead, 0, park=False, restore=win)
         self.tier.give(parked.tier[win])
         parked.clear()
+        self._chosen(st)
         return batch
+
+    def _chosen(self, st: RequestState) -> None:
+        phase = Phase.READING if st.in_prefill else Phase.DECODING
+        self._to(st, phase, "live and parked tokens chosen with the question")
 
     def _discard(self, st: RequestState, which: np.ndarray) -> None:
         """Parked tokens freed for good: evicted, in the trace, from the forward that parked them."""
@@ -444,11 +570,9 @@ class Compactor:
 
     # ---------------------------------------------------------------- after vLLM scheduled
     def stop_short(self, request_id: str, new_tokens: int, num_computed_after: int) -> bool:
-        """Should this forward stop one token before the end of the prompt? Yes for a request with parked tokens
-        whose forward would read its last prompt token: the forward that samples the first output must come after
-        the choice among live and parked tokens, or the answer's first token is read without the parked facts."""
+        """Should this forward stop one token before the end of the prompt (Schedule.stops_short)?"""
         st = self.states.get(request_id)
-        return bool(st and st.parked.size and new_tokens > 1 and num_computed_after == st.prefill_len)
+        return bool(st and st.schedule.stops_short(st.parked.size > 0, new_tokens, num_computed_after, st.prefill_len))
 
     def scheduled(self, request_id: str, new_tokens: int, num_computed_after: int, num_output: int) -> ScoreAsk | None:
         """A forward of ``new_tokens`` tokens runs this step (vLLM already counted them as computed and allocated
@@ -471,7 +595,7 @@ class Compactor:
             return ScoreAsk(1, policy.needs if export else ()) if observe else None
         over = live + new_tokens > policy.target(num_computed_after)
         queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, num_output, over)
-        if st.parked.size and num_computed_after == st.prefill_len - 1:
+        if sched.scores_jointly(st.parked.size > 0, num_computed_after, st.prefill_len):
             # All but the prompt's last token: its window (the question) is scored over live and parked keys in
             # one softmax; the choice follows, and the last token's forward, which samples, sees the survivors.
             return ScoreAsk(min(st.window, new_tokens), policy.needs, st.parked.tier.copy())
@@ -488,7 +612,8 @@ class Compactor:
         return live, retained, naive
 
     def check_integrity(self, moves: MoveBatch | None = None) -> None:
-        """Blocks against TokenTables, ballast disjoint from every block list, a step's moves well formed."""
+        """Blocks against TokenTables, ballast disjoint from every block list, parked tokens only where a phase
+        has them, a step's moves well formed."""
         owned: dict[int, str] = {}
         for rid, st in self.states.items():
             st.table.check_integrity()
@@ -499,6 +624,8 @@ class Compactor:
                 )
             if self.mode == "vtoken" and st.ballast:
                 raise CompactorError(f"{rid}: ballast in vtoken mode")
+            if st.parked.size and st.phase not in (Phase.READING, Phase.CHOOSING):
+                raise CompactorError(f"{rid}: {st.parked.size} tokens parked while {st.phase}")
             for b in [*blocks, *st.ballast]:
                 if b.ref_cnt == 1 and owned.setdefault(b.block_id, rid) != rid:
                     raise CompactorError(f"block {b.block_id} held by {owned[b.block_id]} and {rid}")

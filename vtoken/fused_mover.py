@@ -38,8 +38,10 @@ import numpy as np
 import torch
 
 from vtoken import move_kernel
+from vtoken.kv_layout import LAYOUTS
+from vtoken.move_batch import MoveBatch
 from vtoken.move_kernel import WORDS, Launch
-from vtoken.mover import LAYOUTS, MoveBatch, graph_safe_events
+from vtoken.mover import Mover, graph_safe_events
 
 
 def group_sizes(num_layers: int) -> list[int]:
@@ -56,7 +58,7 @@ def group_sizes(num_layers: int) -> list[int]:
     return sizes
 
 
-class FusedMover:
+class FusedMover(Mover):
     """Applies a MoveBatch to bound KV caches (``layout``: "flash", the CUDA FlashAttention cache) and per-slot
     tensors with at most two launches per layer group. See the module docstring for the order of work.
 
@@ -67,6 +69,7 @@ class FusedMover:
     """
 
     _MAX_TOK = 64  # moves per program (planted-bug tests lower it to 1)
+    per_layer = True
 
     def __init__(
         self,

@@ -1,7 +1,17 @@
 """Where a token's K and V elements lie inside one block of a layer's paged KV cache (worker side, no vLLM).
 
 Most backends store a block so that a strided view indexed ``[block, offset, ...]`` reaches every token
-(``vtoken.mover.LAYOUTS``: "cpu", "flash"). Some do not: vLLM's CPU backend on a machine with AMX stores bf16
+(``LAYOUTS`` below):
+
+* ``cpu``   vLLM's CPU attention: ``[num_blocks, num_kv_heads, block_size * 2 * head_size]`` per layer;
+            inside a (block, head) the K part is stored TRANSPOSED ``[head_size, block_size]``, followed
+            by V ``[block_size, head_size]`` (vllm/v1/attention/backends/cpu_attn.py).
+* ``flash`` a plain ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` tensor whose last dim is
+            K then V (the CUDA FlashAttention view ``kv.transpose(1, 2).split(head_size, -1)``).
+* ``slots`` any per-slot tensor ``[num_blocks * block_size, ...]`` (e.g. attention-score accumulators
+            that must travel with their tokens).
+
+Some do not: vLLM's CPU backend on a machine with AMX stores bf16
 K and V packed in VNNI pairs (K as [block_size/16][head_size/2][16 tokens][2 elements], V as
 [head_size/16][block_size/2][16 elements][2 tokens], per block and kv head), which no view describes. A
 ``TableLayout`` covers any such layout: for each offset in a block, the positions of the token's elements
@@ -14,13 +24,35 @@ A layer's cache is ``[num_blocks, num_kv_heads, ...]`` with each (block, kv head
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 _EXACT = 256  # every integer up to this is exact in bf16, fp16 and fp32: the probe's codes stay below it
+
+ViewFn = Callable[[torch.Tensor, int], list[torch.Tensor]]
+
+
+def _cpu_views(kv: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    nb, heads = kv.shape[0], kv.shape[1]
+    per_block = kv.reshape(nb, heads, -1)  # a view: vLLM allocates each layer contiguously
+    head_size = per_block.shape[-1] // (2 * block_size)
+    k_t = per_block[..., : head_size * block_size].view(nb, heads, head_size, block_size)
+    v = per_block[..., head_size * block_size :].view(nb, heads, block_size, head_size)
+    return [k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)]  # both [nb, block_size, heads, head_size]
+
+
+def _flash_views(kv: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    return [kv.transpose(1, 2)]  # [nb, block_size, heads, 2 * head_size]
+
+
+def _slot_views(t: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    return [t.view(t.shape[0] // block_size, block_size, *t.shape[1:])]
+
+
+LAYOUTS: dict[str, ViewFn] = {"cpu": _cpu_views, "flash": _flash_views, "slots": _slot_views}
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,10 +89,26 @@ class TableLayout:
 Layout = str | TableLayout
 
 
-def table_of(views: Callable[[torch.Tensor, int], list[torch.Tensor]], block_size: int, head_size: int) -> np.ndarray:
-    """The ``TableLayout.index`` a view layout (one of ``vtoken.mover.LAYOUTS``) describes."""
+def views(tensors: Sequence[torch.Tensor], layout: str, block_size: int) -> list[torch.Tensor]:
+    """Every tensor's views indexed ``[block, offset, ...]`` under the named view layout."""
+    try:
+        fn = LAYOUTS[layout]
+    except KeyError:
+        raise ValueError(f"unknown KV layout {layout!r}; known: {sorted(LAYOUTS)}") from None
+    return [v for t in tensors for v in fn(t, block_size)]
+
+
+def split(kv_caches: Sequence[torch.Tensor], layout: Layout, block_size: int):
+    """(views indexed [block, offset, ...], caches moved through a TableLayout's positions)."""
+    if isinstance(layout, TableLayout):
+        return [], list(kv_caches)
+    return views(kv_caches, layout, block_size), []
+
+
+def table_of(view_fn: ViewFn, block_size: int, head_size: int) -> np.ndarray:
+    """The ``TableLayout.index`` a view layout (one of ``LAYOUTS``) describes."""
     chunk = torch.arange(2 * block_size * head_size, dtype=torch.int64).view(1, 1, block_size, 2 * head_size)
-    return torch.cat([v[0, :, 0, :] for v in views(chunk, block_size)], dim=-1).numpy()
+    return torch.cat([v[0, :, 0, :] for v in view_fn(chunk, block_size)], dim=-1).numpy()
 
 
 def learn(write: Callable[..., None], block_size: int, head_size: int, dtype: torch.dtype) -> np.ndarray:
@@ -104,10 +152,10 @@ def learn(write: Callable[..., None], block_size: int, head_size: int, dtype: to
     return index
 
 
-def resolve(index: np.ndarray, views: dict[str, Callable]) -> Layout:
+def resolve(index: np.ndarray, layouts: dict[str, ViewFn] = LAYOUTS) -> Layout:
     """The name of the view layout whose table ``index`` is (its fast path), else a ``TableLayout``."""
     bs, d = index.shape[0], index.shape[1] // 2
-    for name, fn in views.items():
+    for name, fn in layouts.items():
         if name != "slots" and np.array_equal(table_of(fn, bs, d), index):
             return name
     return TableLayout(index)

@@ -1,141 +1,108 @@
-"""KV mover: applies one engine step's compaction moves to the KV cache tensors (worker side).
+"""KV movers: apply one engine step's moves (a ``MoveBatch``) to the KV cache tensors. Worker side.
 
 All moves of a step - every request, every layer - are applied as ONE gather followed by ONE scatter.
 The scheduler may hand a block freed by request A to request B in the same step; if A's tokens were
 copied one move at a time, a later move could read a slot that an earlier one already overwrote. Reading
 every source before writing any destination makes the result independent of move order.
 
-Slots are global: ``slot = block_id * block_size + offset``. A ``KVLayout`` turns one layer's cache tensor
-into views indexed ``[block, offset, ...]`` so the same code serves every backend:
+Slots are global: ``slot = block_id * block_size + offset``. A layout (``vtoken/kv_layout.py``) turns one layer's
+cache tensor into views indexed ``[block, offset, ...]``, or, for a layout no view describes (vLLM's AMX kernel packs
+bf16 K and V in VNNI pairs), into each token's element positions.
 
-* ``cpu``   vLLM's CPU attention: ``[num_blocks, num_kv_heads, block_size * 2 * head_size]`` per layer;
-            inside a (block, head) the K part is stored TRANSPOSED ``[head_size, block_size]``, followed
-            by V ``[block_size, head_size]`` (vllm/v1/attention/backends/cpu_attn.py).
-* ``flash`` a plain ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` tensor whose last dim is
-            K then V (the CUDA FlashAttention view ``kv.transpose(1, 2).split(head_size, -1)``).
-* ``slots`` any per-slot tensor ``[num_blocks * block_size, ...]`` (e.g. attention-score accumulators
-            that must travel with their tokens).
+``Mover`` is the one interface the worker sees. Implementations:
 
-A layout no view describes (vLLM's CPU backend with AMX packs bf16 K and V in VNNI pairs) is a
-``vtoken.kv_layout.TableLayout``, learned from the backend's own cache write; the mover then gathers and
-scatters each token's elements by their positions in the cache.
+    CpuMover        one vectorised gather and scatter per view, on the calling thread (done when ``apply`` returns)
+    CudaMover       the same on a side CUDA stream; the forward's stream waits on an event
+    FusedMover      (vtoken/fused_mover.py) one Triton launch per group of layers, an event per group
+    ReferenceMover  a plain per-move copy, the reference the others are tested against
 
-On CUDA, ``vtoken/fused_mover.py`` applies the same batch with one Triton launch per group of layers (a
-second one only for moves whose destination another move reads), and each layer's attention waits only for
-its group; CpuMover and ReferenceMover below stay as the CPU path and the reference it is tested against.
+``vtoken/mover_factory.py`` picks one for a device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from vtoken.kv_layout import Layout, TableLayout
-
-ViewFn = Callable[[torch.Tensor, int], list[torch.Tensor]]
-
-
-def _cpu_views(kv: torch.Tensor, block_size: int) -> list[torch.Tensor]:
-    nb, heads = kv.shape[0], kv.shape[1]
-    per_block = kv.reshape(nb, heads, -1)  # a view: vLLM allocates each layer contiguously
-    head_size = per_block.shape[-1] // (2 * block_size)
-    k_t = per_block[..., : head_size * block_size].view(nb, heads, head_size, block_size)
-    v = per_block[..., head_size * block_size :].view(nb, heads, block_size, head_size)
-    return [k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)]  # both [nb, block_size, heads, head_size]
+from vtoken.kv_layout import Layout, split, views
+from vtoken.move_batch import MoveBatch
 
 
-def _flash_views(kv: torch.Tensor, block_size: int) -> list[torch.Tensor]:
-    return [kv.transpose(1, 2)]  # [nb, block_size, heads, 2 * head_size]
+class Mover:
+    """Applies MoveBatches to a worker's KV caches and per-slot tensors (``extra``: ``[num_slots, ...]``).
+
+    Ordering contract. After ``apply`` returns, the moves are done (CPU) or queued on a side stream (CUDA). Work on
+    the forward's stream that reads or writes moved slots must come after ``wait`` (every move), or, for a mover with
+    per-layer events (``per_layer``), after ``wait_layer(i)`` for layer ``i`` and ``wait_unhooked`` for the rest. On
+    CPU every wait is a no-op. No wait blocks the CPU except ``wait_host``.
+
+    Invariant: ``bytes_moved`` counts each moved token's bytes (every layer and per-slot tensor) once."""
+
+    per_layer: bool = False  # layers may wait for their own group's moves (vtoken/vllm_adapter/move_waits.py)
+
+    def __init__(self) -> None:
+        self.bytes_moved = 0
+
+    def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
+        """Move the KV of ``batch.src`` to ``batch.dst`` in every layer, and in each per-slot ``extra``."""
+        raise NotImplementedError
+
+    def bind(self, kv_caches: Sequence[torch.Tensor], extra: Sequence[torch.Tensor] = ()) -> None:
+        """Prepare for these tensors once (fixed addresses for CUDA graphs). Nothing to do for most movers."""
+
+    def wait(self, stream=None) -> None:
+        """``stream`` (default: the current one) waits for every move of the last step."""
+
+    def wait_unhooked(self, stream=None) -> None:
+        """What the forward's stream waits for before the forward when some layers wait for their own moves: the
+        per-slot tensors and every layer without a hook. Without per-layer waits: everything."""
+        self.wait(stream)
+
+    def wait_layer(self, layer: int, stream=None) -> None:
+        """``stream`` waits for layer ``layer``'s moves (``per_layer`` movers; the others wait in ``wait``)."""
+
+    def layer_of(self, kv_cache: torch.Tensor) -> int | None:
+        """The bound layer whose cache starts where ``kv_cache`` does; None without per-layer events."""
+        return None
+
+    def wait_host(self) -> None:
+        """Block the CPU until the last moves finished (tests and benchmarks only)."""
 
 
-def _slot_views(t: torch.Tensor, block_size: int) -> list[torch.Tensor]:
-    return [t.view(t.shape[0] // block_size, block_size, *t.shape[1:])]
-
-
-LAYOUTS: dict[str, ViewFn] = {"cpu": _cpu_views, "flash": _flash_views, "slots": _slot_views}
-
-
-@dataclass(frozen=True)
-class MoveBatch:
-    """One step's moves for all requests, as global slots. Picklable; crosses scheduler -> worker."""
-
-    src: np.ndarray  # int64[n]
-    dst: np.ndarray  # int64[n]
-
-    def __post_init__(self) -> None:
-        if self.src.shape != self.dst.shape or self.src.ndim != 1:
-            raise ValueError(f"src {self.src.shape} and dst {self.dst.shape} must be equal 1-D shapes")
-
-    def __len__(self) -> int:
-        return int(self.src.size)
-
-    @staticmethod
-    def concat(batches: Sequence[MoveBatch]) -> MoveBatch:
-        if not batches:
-            return MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64))
-        return MoveBatch(
-            np.concatenate([b.src for b in batches]).astype(np.int64),
-            np.concatenate([b.dst for b in batches]).astype(np.int64),
-        )
-
-    def check(self) -> None:
-        """Destinations must be distinct: two moves into one slot would race."""
-        if np.unique(self.dst).size != self.dst.size:
-            raise ValueError("two moves write the same destination slot")
-
-
-def _views(tensors: Sequence[torch.Tensor], layout: str, block_size: int) -> list[torch.Tensor]:
-    try:
-        fn = LAYOUTS[layout]
-    except KeyError:
-        raise ValueError(f"unknown KV layout {layout!r}; known: {sorted(LAYOUTS)}") from None
-    return [v for t in tensors for v in fn(t, block_size)]
-
-
-def _split(kv_caches: Sequence[torch.Tensor], layout: Layout, block_size: int):
-    """(views indexed [block, offset, ...], caches moved through a TableLayout's positions)."""
-    if isinstance(layout, TableLayout):
-        return [], list(kv_caches)
-    return _views(kv_caches, layout, block_size), []
-
-
-class CpuMover:
+class CpuMover(Mover):
     """Applies a MoveBatch with one vectorised gather and one scatter per view, on the calling thread."""
 
     def __init__(self, block_size: int, layout: Layout = "cpu") -> None:
+        super().__init__()
         self.block_size = block_size
         self.layout = layout
-        self.bytes_moved = 0
 
-    def _index(self, slots: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self, slots, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         s = torch.as_tensor(slots, dtype=torch.long).to(device, non_blocking=True)
         return s // self.block_size, s % self.block_size
 
-    def _move(self, views: list[torch.Tensor], tables: list[torch.Tensor], batch: MoveBatch) -> None:
-        device = (views or tables)[0].device
+    def _move(self, vs: list[torch.Tensor], tables: list[torch.Tensor], batch: MoveBatch) -> None:
+        device = (vs or tables)[0].device
         sb, so = self._index(batch.src, device)
         db, do = self._index(batch.dst, device)
         pos: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per cache shape (every layer shares one)
         for t in tables:
             if t.shape not in pos:
                 pos[t.shape] = (self.layout.positions(t, sb, so), self.layout.positions(t, db, do))
-        gathered = [v[sb, so] for v in views]  # gather everything first ...
+        gathered = [v[sb, so] for v in vs]  # gather everything first ...
         taken = [t.view(-1)[pos[t.shape][0]] for t in tables]
-        for v, g in zip(views, gathered):  # ... then scatter
+        for v, g in zip(vs, gathered):  # ... then scatter
             v[db, do] = g
         for t, g in zip(tables, taken):
             t.view(-1)[pos[t.shape][1]] = g
         self.bytes_moved += sum(g.numel() * g.element_size() for g in gathered + taken)
 
     def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
-        """Move the KV of ``batch.src`` to ``batch.dst`` in every layer, and in each per-slot ``extra``."""
         if len(batch) == 0:
             return
-        views, tables = _split(kv_caches, self.layout, self.block_size)
-        self._move(views + _views(extra, "slots", self.block_size), tables, batch)
+        vs, tables = split(kv_caches, self.layout, self.block_size)
+        self._move(vs + views(extra, "slots", self.block_size), tables, batch)
 
 
 class CudaMover(CpuMover):
@@ -157,7 +124,7 @@ class CudaMover(CpuMover):
         self.event: torch.cuda.Event | None = None
         self._keepalive: list[torch.Tensor] = []
 
-    def _index(self, slots: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self, slots, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         host = torch.as_tensor(slots, dtype=torch.long).pin_memory()
         self._keepalive.append(host)  # the async H2D copy reads it after we return
         s = host.to(device, non_blocking=True)
@@ -187,33 +154,35 @@ class CudaMover(CpuMover):
             self.event.synchronize()
         self._keepalive.clear()
 
-    wait_unhooked = wait  # no per-layer hooks: the forward waits for every move (FusedMover's API)
 
-
-class ReferenceMover:
+class ReferenceMover(Mover):
     """Plain per-move reference for tests: copies every source token out, then writes each one back."""
 
     def __init__(self, block_size: int, layout: Layout = "cpu") -> None:
+        super().__init__()
         self.block_size = block_size
         self.layout = layout
 
     def apply(self, kv_caches: Sequence[torch.Tensor], batch: MoveBatch, extra: Sequence[torch.Tensor] = ()) -> None:
-        views, tables = _split(kv_caches, self.layout, self.block_size)
-        views += _views(extra, "slots", self.block_size)
+        vs, tables = split(kv_caches, self.layout, self.block_size)
+        vs += views(extra, "slots", self.block_size)
         bs = self.block_size
 
         def at(t: torch.Tensor, s) -> torch.Tensor:  # one token's elements in a table-layout cache
             b, o = torch.tensor([int(s) // bs]), torch.tensor([int(s) % bs])
             return self.layout.positions(t, b, o).flatten()
 
-        saved = [[v[int(s) // bs, int(s) % bs].clone() for s in batch.src] for v in views]
+        saved = [[v[int(s) // bs, int(s) % bs].clone() for s in batch.src] for v in vs]
         saved_t = [[t.view(-1)[at(t, s)].clone() for s in batch.src] for t in tables]
-        for v, tokens in zip(views, saved):
+        for v, tokens in zip(vs, saved):
             for d, tok in zip(batch.dst, tokens):
                 v[int(d) // bs, int(d) % bs] = tok
         for t, tokens in zip(tables, saved_t):
             for d, tok in zip(batch.dst, tokens):
                 t.view(-1)[at(t, d)] = tok
+        per_token = sum(v[0, 0].numel() * v.element_size() for v in vs)
+        per_token += sum(t.shape[1] * self.layout.index.size * t.element_size() for t in tables)
+        self.bytes_moved += per_token * len(batch)
 
 
 def graph_safe_events() -> bool:
@@ -222,20 +191,3 @@ def graph_safe_events() -> bool:
     import inspect
 
     return "external" in inspect.signature(torch.cuda.Event.__new__).parameters
-
-
-def make_mover(device: torch.device | str, block_size: int, layout: Layout | None = None):
-    """The mover for a device: on CUDA the fused mover (``vtoken/fused_mover.py``: Triton, a few launches a step,
-    an event per layer group) for the FlashAttention layout, today's side-stream CudaMover for a layout whose
-    tokens are not rows of contiguous elements or where Triton is missing; the batched CpuMover elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        layout = layout or "flash"
-        if layout == "flash":
-            try:
-                from vtoken.fused_mover import FusedMover
-            except ImportError:  # no Triton: the unfused mover still runs
-                return CudaMover(block_size, layout, device)
-            return FusedMover(block_size, layout, device)
-        return CudaMover(block_size, layout, device)
-    return CpuMover(block_size, layout or "cpu")

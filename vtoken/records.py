@@ -14,12 +14,19 @@ Blocks are counted DURING a forward, after vLLM allocated the blocks its new tok
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from vtoken.token_table import TokenTable
+
+
+def request_seed(request_id: str) -> int:
+    """A stable number per request id (Python's hash() is salted per process): randomised policies seed from the
+    caller's id, so that reruns, naive and vtoken, and every TP rank reach the same decisions."""
+    return zlib.crc32(request_id.encode())
 
 
 @dataclass
@@ -176,3 +183,34 @@ class EngineTotals:
             "fragmentation": 1 - live / (retained * block_size) if retained else 0.0,
             "finished_requests": list(self.finished),
         }
+
+
+class TraceBook:
+    """The audit trail's bookkeeping across preemptions: a preempted request recomputes from token 0 as a new run,
+    and its trace line carries the runs a preemption ended (``preempted_runs``) and the log-probabilities sampled
+    so far. Kept by the compactor, so that the engine's scheduler and the property tests drive the same code."""
+
+    def __init__(self) -> None:
+        # engine request id -> (caller's id, traces of its earlier runs, logprobs so far)
+        self._resume: dict[str, tuple[str, list[dict[str, Any]], list[float] | None]] = {}
+
+    def resume(self, request_id: str) -> tuple[list[dict[str, Any]], list[float] | None]:
+        """A request admitted again after a preemption: its earlier runs and logprobs (empty for a new one)."""
+        _, earlier, logprobs = self._resume.pop(request_id, ("", [], None))
+        return earlier, logprobs
+
+    def preempted(self, request_id: str, record: RequestRecord) -> None:
+        """The run of ``record`` ended by a preemption: kept for the request's next run."""
+        run = {k: v for k, v in record.trace().items() if k not in ("preempted_runs", "logprobs")}
+        self._resume[request_id] = (record.request_id, record.earlier + [run], record.logprobs)
+
+    def finished(self, request_id: str, record: RequestRecord | None) -> tuple[str, dict[str, Any]] | None:
+        """The caller's id and the audit fields of a finished request's trace line; ``record`` None: it finished
+        (was aborted) while waiting to resume after a preemption (its last run's fields, None if it never ran)."""
+        pending = self._resume.pop(request_id, None)
+        if record is not None:
+            return record.request_id, record.trace()
+        if pending is None:
+            return None
+        caller, runs, logprobs = pending
+        return caller, {**runs[-1], "preempted_runs": runs[:-1], **({"logprobs": logprobs} if logprobs else {})}

@@ -8,7 +8,6 @@ adapter) or a ``stats`` callback that supplies their statistics.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,7 +16,11 @@ import numpy as np
 from vtoken.accounting import block_counts
 from vtoken.compactor import kill_and_pack
 from vtoken.policies import EvictionPolicy, PolicyInput
+from vtoken.records import request_seed
+from vtoken.schedule import Schedule
 from vtoken.token_table import TokenTable
+
+__all__ = ["ReplayResult", "replay", "request_seed"]
 
 StatsFn = Callable[[TokenTable, np.ndarray], dict[str, np.ndarray]]
 
@@ -36,11 +39,6 @@ class ReplayResult(NamedTuple):
     metadata_bytes: int
 
 
-def request_seed(request_id: str) -> int:
-    """A stable number per request id (Python's hash() is salted per process)."""
-    return zlib.crc32(request_id.encode())
-
-
 def replay(
     policy: EvictionPolicy,
     prompt_len: int,
@@ -57,11 +55,15 @@ def replay(
     table = TokenTable(block_size, prompt_len)
     retained, naive, moves = [], [], 0
     seed = request_seed(request_id)
+    schedule = Schedule.of(policy, prefill_evict=False)  # decode steps only: the prompt was read at once
     for step in range(1, output_len + 1):
         table.append(1)
-        live = table.live_logical()
-        inp = PolicyInput(table.num_logical, step, live, stats(table, live) if stats else {}, None, seed)
-        victims = policy.select(inp)
+        if schedule.decision_step(table.num_logical, prompt_len, step) is None:
+            victims = np.empty(0, np.int64)
+        else:
+            live = table.live_logical()
+            inp = PolicyInput(table.num_logical, step, live, stats(table, live) if stats else {}, None, seed)
+            victims = policy.select(inp)
         if victims.size:
             moves += kill_and_pack(table, victims, list(range(table.num_blocks)), block_size).plan.num_moves
         c = block_counts(table)

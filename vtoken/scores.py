@@ -51,8 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vtoken.kv_layout import Layout, TableLayout
-from vtoken.mover import LAYOUTS
+from vtoken.kv_layout import LAYOUTS, Layout, TableLayout
 from vtoken.planner import to_global_slots
 from vtoken.policies import ATTN_HIST, ATTN_SUM
 
@@ -91,7 +90,7 @@ class AttentionScorer:
     """Per-slot attention statistics over a paged KV cache (see the module docstring for the semantics).
 
     ``num_slots = num_blocks * block_size``; slot ``s`` is offset ``s % block_size`` of block
-    ``s // block_size``. ``layout`` names one of ``vtoken.mover.LAYOUTS`` ("cpu": vLLM's CPU backend,
+    ``s // block_size``. ``layout`` names one of ``vtoken.kv_layout.LAYOUTS`` ("cpu": vLLM's CPU backend,
     "flash": the CUDA FlashAttention view) or is a ``vtoken.kv_layout.TableLayout`` (vLLM's CPU backend with
     AMX, bf16: K^T is then gathered element by element from its learned positions). Per step:
     ``reset_slots`` (slots written this step), then ``begin_step``, one ``observe`` per attention layer,

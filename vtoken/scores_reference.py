@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vtoken.kv_layout import TableLayout
-from vtoken.mover import LAYOUTS
+from vtoken.kv_layout import LAYOUTS, TableLayout
 from vtoken.planner import to_global_slots
 from vtoken.scores import ATTN_HIST, ATTN_SUM, uniform_share
 

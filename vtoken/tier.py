@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vtoken.kv_layout import Layout, TableLayout, table_of
-from vtoken.mover import LAYOUTS, MoveBatch
+from vtoken.kv_layout import LAYOUTS, Layout, TableLayout, table_of
+from vtoken.move_batch import MoveBatch
 from vtoken.planner import to_global_slots
 from vtoken.policies import ATTN_HIST, ATTN_SUM
 from vtoken.scores import uniform_share

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import torch
 
-from vtoken.mover import MoveBatch, make_mover
+from vtoken.move_batch import MoveBatch
+from vtoken.mover_factory import make_mover
 from vtoken.planner import moves_lower_bound, plan_compaction, plan_compaction_reference
 from vtoken.token_table import TokenTable
 

@@ -20,7 +20,8 @@ import torch
 
 from vtoken.bench.attention_stack import SHAPES, PagedStack
 from vtoken.fused_mover import FusedMover
-from vtoken.mover import CudaMover, MoveBatch
+from vtoken.move_batch import MoveBatch
+from vtoken.mover import CudaMover
 
 _SPIN_CYCLES = 20_000_000  # ~10 ms at H200 clocks: longer than the CPU takes to queue any mover's launches
 

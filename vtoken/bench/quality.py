@@ -72,7 +72,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     def evict(n: int, num_output: int) -> None:
         if policy is None or (policy.needs and not have):
             return
-        step = sched.step_at(n, ctx, num_output)
+        step = sched.decision_step(n, ctx, num_output)
         if step is None:
             return
         alive = np.flatnonzero(live[:n])

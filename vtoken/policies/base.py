@@ -1,12 +1,14 @@
 """EvictionPolicy: the shared mechanics of every token-eviction policy.
 
 A policy only DECIDES which logical tokens die; it never touches memory (the TokenTable, the compaction
-planner and the mover do). Subclasses implement one method, ``score``: higher means keep. The base class
-does the rest: when to evict (every ``interval`` decode steps), how many tokens to keep (``budget``, an
-absolute count or a ratio of the context), which tokens are never candidates (the first ``sink`` tokens,
-the last ``recent`` tokens, and tokens the engine marks protected, e.g. in shared prefix blocks), and the
-top-k selection. Decisions are a pure function of the PolicyInput, so every tensor-parallel rank, and
-the naive and vtoken modes, reach the same decision from the same input.
+planner and the mover do), and it never decides WHEN (vtoken/schedule.py does: ``select`` is asked only at a
+decision point). Subclasses implement one method, ``score``: higher means keep. The base class does the rest: how
+many tokens to keep (``budget``, an absolute count or a ratio of the context, vtoken/budget.py), which tokens are
+never candidates (the first ``sink`` tokens, the last ``recent`` tokens, and tokens the engine marks protected,
+e.g. in shared prefix blocks), and the top-k selection. ``interval`` and ``score_every`` are timing parameters
+carried here because users set them with the policy; only ``Schedule`` reads them. Decisions are a pure function
+of the PolicyInput, so every tensor-parallel rank, and the naive and vtoken modes, reach the same decision from the
+same input.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import numpy as np
+
+from vtoken.budget import target_tokens
 
 # Names of the per-token statistics an engine can provide (aligned with PolicyInput.live).
 ATTN_SUM = "attn_sum"  # float: attention weight the token received, summed over heads, layers, steps
@@ -28,7 +32,7 @@ class PolicyInput(NamedTuple):
     """What a policy sees for one request at one decode step. Arrays are aligned with ``live``."""
 
     num_logical: int  # tokens so far (prompt + output), the "context"
-    step: int  # decode steps done so far (1 after the first decode step)
+    step: int  # the decision's policy step (Schedule.decision_step: the decode step, 0 at a chunk boundary or shed)
     live: np.ndarray  # int64 logical positions of live tokens, ascending
     stats: dict[str, np.ndarray] = {}  # statistics named in the policy's ``needs``
     protected: np.ndarray | None = None  # bool: token may not be evicted (shared block, ...)
@@ -40,7 +44,7 @@ class EvictionPolicy(ABC):
     """Base class. ``budget`` < 1 is a ratio of the context; >= 1 an absolute number of tokens."""
 
     budget: float = 0.5
-    interval: int = 1
+    interval: int = 1  # timing (Schedule): decide every ``interval`` decode steps
     sink: int = 4
     recent: int = 16
     seed: int = 0
@@ -69,19 +73,18 @@ class EvictionPolicy(ABC):
 
     def target(self, num_logical: int) -> int:
         """Live tokens to keep for a context of ``num_logical`` tokens."""
-        if self.budget < 1:
-            return max(1, int(np.ceil(self.budget * num_logical)))
-        return int(self.budget)
+        return target_tokens(num_logical, self.budget)
 
     @abstractmethod
     def score(self, inp: PolicyInput) -> np.ndarray:
         """One float per live token (aligned with ``inp.live``): higher means more worth keeping."""
 
     def select(self, inp: PolicyInput) -> np.ndarray:
-        """Logical positions to evict now (int64, ascending); empty when nothing needs to go."""
+        """Logical positions to evict now (int64, ascending); empty when nothing needs to go. Called only at a
+        decision point (vtoken/schedule.py)."""
         live = np.asarray(inp.live, dtype=np.int64)
         excess = live.size - self.target(inp.num_logical)
-        if inp.step % self.interval or excess <= 0:
+        if excess <= 0:
             return np.empty(0, dtype=np.int64)
         keep = (live < self.sink) | (live >= inp.num_logical - self.recent)
         if inp.protected is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vtoken.mover import MoveBatch
+from vtoken.move_batch import MoveBatch
 
 
 @dataclass

@@ -10,19 +10,19 @@ slots, in which no dead token remains. The same split serves prefill chunks and 
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig
-from vtoken.mover import make_mover
+from vtoken.mover import Mover
+from vtoken.mover_factory import make_mover
 from vtoken.tier import KVTier
 from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.tp import TensorParallel
+from vtoken.worker_step import apply_kv_step
 
 
 class VTokenRunnerMixin:
@@ -35,7 +35,7 @@ class VTokenRunnerMixin:
         self.vt_observe: dict[str, int] = {}
         self.vt_export: dict[str, tuple[str, ...]] = {}
         self.vt_export_len: dict[str, int] = {}
-        self.vt_mover = None
+        self.vt_mover: Mover | None = None
         self.vt_scorer: scores_mod.AttentionScorer | None = None
         self.vt_tier: KVTier | None = None  # parking's second tier (vtoken/tier.py)
         self.vt_joint: dict[str, np.ndarray] = {}
@@ -79,17 +79,13 @@ class VTokenRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _vt_apply(self, step: VTokenStep, so) -> None:
-        tier, extra = self.vt_tier, (self.vt_scorer.extra_tensors if self.vt_scorer else [])
-        if tier is not None:  # every source is read before any destination is written (vtoken/tier.py)
-            fetched = tier.fetch(step.restore)
-            tier.park(self.kv_caches, extra, step.park)
+        extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
+        cost = apply_kv_step(self._vt_step_mover(), self.vt_tier, self.kv_caches, extra, step.moves, step.park,
+                             step.restore)  # fmt: skip
+        self.vt_move_seconds += cost.move_seconds
+        self.vt_bytes_moved += cost.bytes_moved
         if len(step.moves):
-            self._vt_move(step)
             self._vt_order_moves(so)
-        if tier is not None and len(step.restore):  # restored tokens land in slots the moves emptied: last
-            if hasattr(self.vt_mover, "wait"):
-                self.vt_mover.wait()
-            tier.restore(self.kv_caches, extra, step.restore, fetched)
         self.vt_joint = step.joint
         for rid, keep in step.keep_blocks.items():
             self._vt_set_blocks(rid, lambda ids, keep=keep: ids[:keep])
@@ -102,21 +98,15 @@ class VTokenRunnerMixin:
             self.vt_gaps.pop(new.req_id, None)  # (re)admitted as new: no gap yet, whatever it had before
         self.vt_observe, self.vt_export = step.observe, step.export
 
-    def _vt_move(self, step: VTokenStep) -> None:
-        t0 = time.perf_counter()
-        extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
-        before = self.vt_mover.bytes_moved
-        self.vt_mover.apply(self.kv_caches, step.moves, extra)
-        self.vt_bytes_moved += self.vt_mover.bytes_moved - before
-        self.vt_move_seconds += time.perf_counter() - t0
+    def _vt_step_mover(self) -> Mover:
+        """The mover of this step's moves (the testing runner's negative control swaps in one that skips them)."""
+        return self.vt_mover
 
     def _vt_order_moves(self, so) -> None:
         """CUDA: what the forward's stream waits for before the forward (the moves run on a side stream). vLLM
         zeroes and copies blocks before the forward (GPUModelRunner._update_states: new_block_ids_to_zero,
         kv_cache_block_copies), maybe a block a move reads: then every move; else only what no attention hook
-        waits for (move_waits.py): the per-slot statistics, which _prepare_inputs resets."""
-        if not hasattr(self.vt_mover, "wait_unhooked"):
-            return  # CPU: the moves are done already
+        waits for (move_waits.py): the per-slot statistics, which _prepare_inputs resets. On CPU both are no-ops."""
         if getattr(so, "new_block_ids_to_zero", None) or getattr(so, "kv_cache_block_copies", None):
             self.vt_mover.wait()
         else:

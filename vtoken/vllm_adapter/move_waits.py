@@ -33,14 +33,18 @@ from collections.abc import Sequence
 
 import torch
 
+from vtoken.mover import Mover
+
 __all__ = ["install"]
 
 
-def install(attention_layers: dict, mover, kv_caches: Sequence[torch.Tensor], extra: Sequence[torch.Tensor]) -> int:
+def install(
+    attention_layers: dict, mover: Mover, kv_caches: Sequence[torch.Tensor], extra: Sequence[torch.Tensor]
+) -> int:
     """Bind ``mover`` to the caches and per-slot tensors, and make every attention layer of
     ``attention_layers`` (vLLM's static_forward_context) wait for its own group. Returns the layers newly hooked;
     0 for a mover without per-layer events (CPU, the unfused CudaMover), whose moves the runner waits for whole."""
-    if not hasattr(mover, "wait_layer"):
+    if not mover.per_layer:
         return 0
     mover.bind(kv_caches, extra)
     hooked = 0

@@ -17,6 +17,7 @@ Everything here touches vLLM 0.32.0 private internals; each override names what 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -29,8 +30,6 @@ from vtoken.compactor import Compactor, Progress, StepPlan
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
 from vtoken.park import TierSlots
 from vtoken.pool_report import PoolReport
-from vtoken.records import RequestRecord
-from vtoken.replay import request_seed
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,22 +58,22 @@ class VTokenScheduler(Scheduler):
         park = self.vt.tier_tokens(self.vt_pool.num_gpu_blocks * self.vt_bs, device)
         tier = TierSlots(park) if park else None
         self.vt_core = Compactor(
-            self.vt.mode, self.vt_bs, self.vt_pool, lambda rid: self.vt_manager.req_to_blocks[rid], tier
+            self.vt.mode,
+            self.vt_bs,
+            self.vt_pool,
+            lambda rid: self.vt_manager.req_to_blocks[rid],
+            tier,
+            trace=bool(self.vt.trace_path),
         )
         sc = vllm_config.scheduler_config
         self.vt_chunk = sc.long_prefill_token_threshold or sc.max_num_batched_tokens
         self.vt_max_seqs = sc.max_num_seqs
-        # Preempted requests waiting to resume: (their earlier runs' traces, logprobs so far)
-        self.vt_resume: dict[str, tuple[list[dict], list[float] | None]] = {}
+        self.vt_watermark = math.ceil(self.vt.pressure_watermark * (self.vt_pool.num_gpu_blocks - 1))
         self.vt_trace = open(self.vt.trace_path, "a") if self.vt.trace_path else None  # noqa: SIM115 - engine life
         self._wrap_coordinator()
         install_engine_core_utilities()
 
     # ---------------------------------------------------------------- allocation by physical length
-    def _gap(self, request_id: str) -> int:
-        st = self.vt_core.states.get(request_id)
-        return 0 if st is None else st.gap
-
     def _wrap_coordinator(self) -> None:
         """Mirror of vllm/v1/core/kv_cache_coordinator.py KVCacheCoordinator.get_num_blocks_to_allocate and
         allocate_new_blocks: both size a request by its token count; we pass the physical count instead."""
@@ -82,21 +81,22 @@ class VTokenScheduler(Scheduler):
         orig_count, orig_alloc = coord.get_num_blocks_to_allocate, coord.allocate_new_blocks
         orig_cache = coord.cache_blocks
 
+        core = self.vt_core
+
         def get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs):
-            gap = self._gap(request_id)
+            gap = core.gap(request_id)
             if gap and "num_tokens_main_model" in kwargs:
                 kwargs["num_tokens_main_model"] -= gap
             return orig_count(request_id, num_tokens - gap, *args, **kwargs)
 
         def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
-            gap = self._gap(request_id)
+            gap = core.gap(request_id)
             return orig_alloc(request_id, num_tokens - gap, num_tokens_main_model - gap, *args, **kwargs)
 
         def cache_blocks(request, num_computed_tokens):
             """Mirror of KVCacheCoordinator.cache_blocks: it hashes block i as logical tokens [i*B, (i+1)*B);
             once a request lost a token that no longer describes its blocks, so it is never cached again."""
-            st = self.vt_core.states.get(request.request_id)
-            if st is None or not st.dirty:
+            if core.may_cache(request.request_id):
                 orig_cache(request, num_computed_tokens)
 
         coord.get_num_blocks_to_allocate = get_num_blocks_to_allocate
@@ -108,7 +108,8 @@ class VTokenScheduler(Scheduler):
         """Mirror of vllm/v1/core/sched/scheduler.py Scheduler.schedule: evict and compact first, then record
         what vLLM scheduled."""
         t0 = time.perf_counter()
-        plan = self._vt_before_schedule(self.vt_core.plan_step(self._progress(), self._shortfall()))
+        core = self.vt_core
+        plan = self._vt_before_schedule(core.plan_step(self._progress(), self._waiting(), self.vt_watermark))
         cached = self.vt_manager.num_cached_block  # blocks of each request already hashed into the prefix cache
         for rid, keep in plan.keep_blocks.items():
             if rid in cached:
@@ -119,20 +120,18 @@ class VTokenScheduler(Scheduler):
         step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore)
         for rid, n in list(out.num_scheduled_tokens.items()):
             request = self.requests[rid]
-            if rid not in self.vt_core.states:
+            if not core.tracks(rid):
                 self._admit(request, n)
-            elif self.vt_core.stop_short(rid, n, request.num_computed_tokens):
+            elif core.stop_short(rid, n, request.num_computed_tokens):
                 n = self._stop_one_short(out, request)
-            ask = self.vt_core.scheduled(rid, n, request.num_computed_tokens, request.num_output_tokens)
+            ask = core.scheduled(rid, n, request.num_computed_tokens, request.num_output_tokens)
             if ask is not None:
                 step.observe[rid] = ask.queries
                 if ask.export:
                     step.export[rid] = ask.export
                 if ask.parked is not None:
                     step.joint[rid] = ask.parked
-        totals = self.vt_core.totals
-        totals.peak_running = max(totals.peak_running, len(self.running))
-        totals.compaction_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        core.note_step(len(self.running), (t1 - t0) + (time.perf_counter() - t2))
         out.vtoken = step
         return out
 
@@ -155,64 +154,36 @@ class VTokenScheduler(Scheduler):
         """Hook between the compaction plan and vLLM's scheduling (the testing scheduler relocates here)."""
         return plan
 
-    def _shortfall(self) -> int:
-        """Pressure mode: the blocks that waiting requests' first chunks need, plus the watermark, beyond the free
-        ones (the compactor adds the running requests' next forwards). Mirrors what vllm/v1/core/sched/scheduler.py
-        Scheduler.schedule asks of the pool: running requests first, then waiting ones, as many as max_num_seqs
-        lets run. 0 when no request is in pressure mode."""
-        if all(st.shedding for st in self.vt_core.states.values()):
-            return 0
-        need = 0
-        for i, r in enumerate(self.waiting):
-            if len(self.running) + i >= self.vt_max_seqs:
-                break
-            need += -(-min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) // self.vt_bs)
-        watermark = math.ceil(self.vt.pressure_watermark * (self.vt_pool.num_gpu_blocks - 1))
-        return need + watermark - self.vt_pool.get_num_free_blocks()
+    def _waiting(self) -> list[int]:
+        """Pressure mode: the tokens the first forward of each waiting request reads, as many as max_num_seqs lets
+        run. Mirrors what vllm/v1/core/sched/scheduler.py Scheduler.schedule asks of the pool: running requests
+        first, then waiting ones. Empty when no request is in pressure mode (the compactor's rule then sheds
+        nothing)."""
+        if not self.vt_core.pressure_active():
+            return []
+        admissible = itertools.islice(self.waiting, max(self.vt_max_seqs - len(self.running), 0))
+        return [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in admissible]
 
     def _progress(self) -> list[Progress]:
-        states = self.vt_core.states
-        out = []
-        for r in self.running:
-            st = states.get(r.request_id)
-            if st is None:
-                continue
-            left = st.prefill_len - r.num_computed_tokens
-            out.append(
-                Progress(
-                    r.request_id,
-                    r.num_computed_tokens,
-                    r.num_output_tokens,
-                    min(left, self.vt_chunk) if left > 0 else 1,
-                )
-            )
-        return out
+        core, chunk = self.vt_core, self.vt_chunk
+        found = (core.progress(r.request_id, r.num_computed_tokens, r.num_output_tokens, chunk) for r in self.running)
+        return [p for p in found if p is not None]
 
     def _admit(self, request, new_tokens: int) -> None:
-        """A request's first forward (new, or resumed after a preemption): give it its state."""
+        """A request's first forward (new, or resumed after a preemption: it recomputes every token it had, prompt
+        and outputs, before it samples again): give it its state."""
         policy, opts = self._policy_for(request)
-        caller = external_id(request.request_id)
-        record = RequestRecord(
-            caller,
-            request_seed(caller),
-            policy=policy.name,
-            budget=policy.budget,
-            prefix_cached=request.num_computed_tokens - new_tokens,
-            outputs_at_start=request.num_output_tokens,
-        )
-        earlier, logprobs = self.vt_resume.pop(request.request_id, ([], None))
-        record.earlier = earlier
-        if getattr(request.sampling_params, "logprobs", None) is not None:
-            record.logprobs = logprobs if logprobs is not None else []
-        # Preempted requests recompute every token they had (prompt and outputs) before sampling again.
-        self.vt_core.add(
+        self.vt_core.admit(
             request.request_id,
-            record,
+            external_id(request.request_id),
             policy,
             prefill_len=request.num_tokens,
             prefill_evict=opts.prefill_evict,
             window=opts.prefill_window,
             pressure=opts.evict == "pressure",
+            prefix_cached=request.num_computed_tokens - new_tokens,
+            outputs_at_start=request.num_output_tokens,
+            logprobs=getattr(request.sampling_params, "logprobs", None) is not None,
         )
 
     def _policy_for(self, request):
@@ -230,46 +201,30 @@ class VTokenScheduler(Scheduler):
         if vt is not None:
             for rid, stats in vt.stats.items():
                 core.receive_stats(rid, stats)
-            core.totals.move_seconds += vt.move_seconds
-            core.totals.bytes_moved += vt.bytes_moved
+            core.note_worker(vt.move_seconds, vt.bytes_moved)
         lp = getattr(model_runner_output, "logprobs", None)
         if lp is not None and self.vt_trace is not None:
             sampled = model_runner_output.sampled_token_ids
             for i, rid in enumerate(model_runner_output.req_ids):
-                st = core.states.get(rid)
-                if st is not None and st.record.logprobs is not None and len(sampled[i]):
+                if len(sampled[i]) and core.wants_logprobs(rid):
                     # LogprobsLists rows: column 0 is the sampled token (vllm/v1/outputs.py)
-                    st.record.logprobs.extend(lp.slice_request(i, len(sampled[i])).logprobs[:, 0].tolist())
+                    core.add_logprobs(rid, lp.slice_request(i, len(sampled[i])).logprobs[:, 0].tolist())
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request_blocks(self, request) -> None:
         """Mirror of Scheduler._free_request_blocks (finish and preemption): the compactor forgets the request
-        and returns its ballast. Preemption recomputes every logical token, so a resumed request starts over."""
-        rid = request.request_id
-        st = self.vt_core.remove(rid, finished=request.is_finished())
-        if not request.is_finished():
-            if st is not None and self.vt_trace is not None:  # the trace keeps this run; the next starts over
-                run = {k: v for k, v in st.record.trace().items() if k not in ("preempted_runs", "logprobs")}
-                self.vt_resume[rid] = (st.record.earlier + [run], st.record.logprobs)
-        elif self.vt_trace is not None:
-            if st is not None:
-                line = st.record.trace()
-            elif rid in self.vt_resume:  # preempted, then finished (aborted) before it ran again
-                runs, logprobs = self.vt_resume[rid]
-                line = {**runs[-1], "preempted_runs": runs[:-1], **({"logprobs": logprobs} if logprobs else {})}
-            else:
-                line = None
-            if line is not None:
-                line = {
-                    "request_id": external_id(rid),
-                    "prompt_token_ids": list(request.prompt_token_ids or []),
-                    "output_token_ids": list(request.output_token_ids),
-                    **line,
-                }
-                self.vt_trace.write(json.dumps(line) + "\n")
-                self.vt_trace.flush()
-        if request.is_finished():
-            self.vt_resume.pop(rid, None)
+        and returns its ballast, and hands back a finished request's trace line. Preemption recomputes every
+        logical token, so a resumed request starts over (the compactor keeps the earlier run for its trace)."""
+        finished = request.is_finished()
+        line = self.vt_core.remove(
+            request.request_id,
+            finished,
+            (request.prompt_token_ids or []) if finished else (),
+            request.output_token_ids if finished else (),
+        )
+        if line is not None and self.vt_trace is not None:
+            self.vt_trace.write(json.dumps(line) + "\n")
+            self.vt_trace.flush()
         super()._free_request_blocks(request)
 
     # ---------------------------------------------------------------- observability
@@ -277,11 +232,8 @@ class VTokenScheduler(Scheduler):
         """Per-request and per-engine figures (see vtoken/records.py). Walks every running request: for tests and
         benchmarks; servers poll ``vtoken_pool_report``. ``reset``: afterwards start peak_running and the
         finished-request list afresh."""
-        core = self.vt_core
-        reqs = {}
-        for rid, st in core.states.items():
-            reqs[st.record.request_id] = st.record.snapshot(st.table, len(core.blocks_of(rid)), len(st.ballast))
-        out = {
+        core = self.vt_core.stats(reset, running=len(self.running))
+        return {
             "mode": self.vt.mode,
             "policy": self.vt.policy,
             "block_size": self.vt_bs,
@@ -290,34 +242,28 @@ class VTokenScheduler(Scheduler):
             "kv_cache_usage": self.vt_pool.get_usage(),
             "running": len(self.running),
             "waiting": len(self.waiting),
-            "requests": reqs,
-            **core.totals.summary(reqs, self.vt_bs),
+            **core,
         }
-        if reset:
-            core.totals.peak_running = len(self.running)
-            core.totals.finished.clear()
-        return out
 
     def vtoken_pool_report(self) -> PoolReport:
         """The pool in a few numbers (messages.PoolReport), for replicas' frequent reports: O(requests + blocks)."""
-        core, t = self.vt_core, self.vt_core.totals
-        live, retained, naive = core.pool_totals()
+        r = self.vt_core.report()
         return PoolReport(
             free_blocks=self.vt_pool.get_num_free_blocks(),
             total_blocks=self.vt_pool.num_gpu_blocks - 1,
             kv_cache_usage=self.vt_pool.get_usage(),
             running=len(self.running),
             waiting=len(self.waiting),
-            live_tokens=live,
-            retained_blocks=retained,
-            naive_retained_blocks=naive,
-            blocks_reclaimed=max(naive - retained, 0),
-            admitted=tuple(sorted(st.record.request_id for st in core.states.values())),
-            blocks_freed_total=t.blocks_freed,
-            tokens_evicted_total=t.tokens_evicted,
-            tokens_moved_total=t.tokens_moved,
-            compaction_seconds_total=t.compaction_seconds,
-            preemptions_total=t.preemptions,
+            live_tokens=r.live_tokens,
+            retained_blocks=r.retained_blocks,
+            naive_retained_blocks=r.naive_retained_blocks,
+            blocks_reclaimed=max(r.naive_retained_blocks - r.retained_blocks, 0),
+            admitted=r.admitted,
+            blocks_freed_total=r.blocks_freed,
+            tokens_evicted_total=r.tokens_evicted,
+            tokens_moved_total=r.tokens_moved,
+            compaction_seconds_total=r.compaction_seconds,
+            preemptions_total=r.preemptions,
             block_size=self.vt_bs,
             tokens_to_go=tokens_to_go(self.running),
         )

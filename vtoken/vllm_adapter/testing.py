@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vtoken.compactor import StepPlan
 from vtoken.config import VTokenConfig
-from vtoken.mover import MoveBatch
+from vtoken.move_batch import MoveBatch
+from vtoken.mover import Mover
 from vtoken.planner import to_global_slots
 from vtoken.vllm_adapter import engine as engine_mod
 from vtoken.vllm_adapter.engine import TESTING_KEY
@@ -87,15 +88,15 @@ class TestingScheduler(VTokenScheduler):
         moves = [plan.moves]
         for request in self.running:
             rid = request.request_id
-            st = self.vt_core.states.get(rid)
-            if st is None or st.in_prefill or rid in plan.keep_blocks or request.num_output_tokens % every:
+            length = self.vt_core.decoding_len(rid)
+            if length is None or rid in plan.keep_blocks or request.num_output_tokens % every:
                 continue
             old = self.vt_manager.req_to_blocks[rid]
             if len(old) > self.vt_pool.get_num_free_blocks():
                 continue
             new = self.vt_pool.get_new_blocks(len(old))
-            slots = np.arange(st.table.physical_len)
-            self.vt_core.totals.tokens_moved += slots.size
+            slots = np.arange(length)
+            self.vt_core.note_worker(0.0, 0, tokens_moved=slots.size)
             moves.append(
                 MoveBatch(
                     to_global_slots(slots, [b.block_id for b in old], self.vt_bs),
@@ -120,9 +121,10 @@ class TestingRunnerMixin:
         self.vt_knobs = Knobs.from_vllm(self.vllm_config)
         self.vt_tp = FaultyTensorParallel(self.vt_tp.group, self.vt_knobs.fault)  # before the scorer takes it
 
-    def _vt_move(self, step) -> None:
-        if self.vt_knobs.fault != "skip_moves":
-            super()._vt_move(step)
+    def _vt_step_mover(self) -> Mover:
+        if self.vt_knobs.fault == "skip_moves":
+            return SKIP_MOVES
+        return super()._vt_step_mover()
 
     def _vt_apply(self, step, so) -> None:
         super()._vt_apply(step, so)
@@ -132,6 +134,16 @@ class TestingRunnerMixin:
     def _vt_physical_positions(self, total, physical) -> None:
         if self.vt_knobs.fault == "physical_rope":  # negative control: RoPE sees physical positions
             self.positions[:total] = physical
+
+
+class _SkipMoves(Mover):
+    """Negative control: a mover that copies nothing (outputs must then break exactness)."""
+
+    def apply(self, kv_caches, batch, extra=()) -> None:
+        pass
+
+
+SKIP_MOVES = _SkipMoves()
 
 
 class TestingRPC:

@@ -1,0 +1,117 @@
+"""A request's life on the compactor, driven through tests/kvsim.py (the real Compactor, no engine): its phases and
+their one transition function, pressure mode's shortfall rule and shedding order, and the trace's bookkeeping across
+a preemption."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from kvsim import KVSim
+
+from vtoken.phase import TRANSITIONS, InvalidPhase, Phase
+from vtoken.policies import make_policy
+
+BS = 4
+
+
+def test_an_always_request_reads_then_decodes_and_every_change_is_logged(caplog):
+    sim = KVSim(num_blocks=64, block_size=BS)
+    sim.add("r", prompt=20, policy=make_policy("random", budget=0.5, sink=0, recent=0))
+    assert sim.core.states["r"].phase is Phase.READING
+    with caplog.at_level(logging.DEBUG, logger="vtoken.compactor"):
+        sim.step({"r": 12})
+        sim.step({"r": 8})  # the prompt's last chunk
+        sim.step({"r": 1})  # the boundary after it: the prompt is read
+    assert sim.core.states["r"].phase is Phase.DECODING
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["vtoken: request r reading -> decoding (its prompt read (20 tokens))"]
+
+
+def test_a_transition_outside_the_table_raises():
+    sim = KVSim(num_blocks=16, block_size=BS)
+    sim.add("r", prompt=8)
+    st = sim.core.states["r"]
+    assert Phase.KEEPING not in TRANSITIONS[Phase.READING]
+    with pytest.raises(InvalidPhase, match="reading -> keeping"):
+        sim.core._to(st, Phase.KEEPING, "a bug")
+    assert st.phase is Phase.READING
+
+
+def pressure_sim(num_blocks: int) -> KVSim:
+    """Two pressure-mode requests: ``done`` has read its 24-token prompt and decodes, ``reading`` is half way
+    through its 40-token prompt."""
+    sim = KVSim(num_blocks=num_blocks, block_size=BS)
+    policy = make_policy("random", budget=0.25, sink=0, recent=0)
+    sim.add("done", prompt=24, policy=policy, pressure=True)
+    sim.add("reading", prompt=40, policy=policy, pressure=True)
+    sim.step({"done": 24, "reading": 20})
+    sim.step({"done": 1})
+    return sim
+
+
+def test_pressure_keeps_every_token_while_the_pool_holds_the_demand():
+    sim = pressure_sim(num_blocks=64)
+    assert sim.core.pressure_active()
+    for _ in range(3):
+        sim.step({"done": 1, "reading": 4}, waiting=[16], watermark=2)  # 6 blocks wanted, plenty free
+    assert {rid: st.phase for rid, st in sim.core.states.items()} == {"done": Phase.KEEPING, "reading": Phase.KEEPING}
+    assert all(st.table.num_live == st.table.num_logical > 0 for st in sim.core.states.values())
+    assert sim.core.totals.tokens_evicted == 0
+    sim.check()
+
+
+def test_pressure_sheds_the_request_that_read_its_prompt_first_and_only_as_far_as_the_shortfall():
+    sim = pressure_sim(num_blocks=18)  # 7 + 5 blocks held, 6 free
+    free = sim.pool.get_num_free_blocks()
+    # A waiting request's first forward needs 5 blocks, the running ones 2 more: 1 short -> one request sheds.
+    sim.step({"done": 1, "reading": 8}, waiting=[5 * BS], watermark=free - 5 - 2 + 1)
+    phases = {rid: st.phase for rid, st in sim.core.states.items()}
+    assert phases == {"done": Phase.DECODING, "reading": Phase.KEEPING}  # read its prompt: sheds first
+    done = sim.core.states["done"]
+    assert done.table.num_live == done.keep(done.table.num_logical)  # to its budget at once
+    reading = sim.core.states["reading"]
+    assert done.record.shed_at >= 0 and reading.record.shed_at == -1 and sim.core.pressure_active()
+    assert reading.table.num_live == reading.table.num_logical  # the shortfall was covered: it lost nothing
+    sim.check()
+
+
+def test_a_shed_while_reading_continues_reading_and_then_decodes():
+    sim = pressure_sim(num_blocks=18)
+    sim.finish("done")
+    sim.step({"reading": 8}, waiting=[40 * BS], watermark=0)  # far more than anyone can give
+    st = sim.core.states["reading"]
+    assert st.phase is Phase.READING and st.record.shed_at >= 0
+    sim.step({"reading": 12})  # the rest of the prompt
+    sim.step({"reading": 1})
+    assert st.phase is Phase.DECODING and not sim.core.pressure_active()
+    sim.check()
+
+
+def test_a_preempted_request_keeps_its_first_run_in_its_trace_line():
+    sim = KVSim(num_blocks=64, block_size=BS, trace=True)
+    policy = make_policy("random", budget=0.5, sink=0, recent=0)
+    sim.add("r", prompt=16, policy=policy, prefill_evict=False)
+    sim.step({"r": 16})
+    for _ in range(6):
+        sim.step({"r": 1})
+    first = sim.core.states["r"].record.trace()
+    assert first["evicted_positions"], "the first run evicted"
+    sim.preempt("r", policy=policy)
+    sim.step({"r": sim.core.states["r"].prefill_len})  # recomputes prompt and outputs
+    for _ in range(3):
+        sim.step({"r": 1})
+    line = sim.finish("r")
+    assert line["request_id"] == "r" and line["outputs_at_start"] == 7
+    assert line["preempted_runs"] == [first]
+    assert np.isin(line["evicted_positions"], np.arange(sim.core.step * 4)).all()
+    assert sim.core.remove("r", finished=True) is None  # gone, and no trace left behind
+
+
+def test_without_tracing_nothing_is_kept_for_a_preempted_request():
+    sim = KVSim(num_blocks=32, block_size=BS)
+    sim.add("r", prompt=8)
+    sim.step({"r": 8})
+    sim.preempt("r")
+    assert sim.core.traces is None and sim.finish("r") is None

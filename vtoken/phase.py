@@ -1,0 +1,55 @@
+"""Phase: where a request is in its life on the compactor, and the transitions it may make.
+
+    keeping  --the pool runs short, it sheds (pressure mode)-->        reading (prompt not read) | decoding
+    reading  --its prompt read but the last token, tokens parked-->    choosing
+    reading  --its prompt read-->                                      decoding
+    choosing --live and parked tokens chosen with the question-->      reading (its last prompt token still to read)
+
+A request starts ``keeping`` in pressure mode (``evict: "pressure"``), else ``reading``. What each phase does at a
+decision point (vtoken/compactor.py ``plan_step``; when a decision point comes is vtoken/schedule.py's business):
+
+    keeping   nothing: every token stays until the pool runs short
+    reading   evict to the budget at chunk boundaries; with a parking tier the victims are parked
+    choosing  choose among live and parked tokens by the last chunk's window (the question); parked winners return
+    decoding  evict to the budget at decode steps
+
+Every change goes through ``Compactor._to``, which checks it against ``TRANSITIONS`` and logs it (debug).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Phase(enum.StrEnum):
+    KEEPING = "keeping"  # pressure mode before its first shed: keeps every token
+    READING = "reading"  # reading its prompt, keeping to its budget at chunk boundaries (parking what drops)
+    CHOOSING = "choosing"  # the question read, tokens parked: the next decision chooses among live and parked
+    DECODING = "decoding"  # its prompt read: keeps to its budget at decode steps
+
+    def evicts(self) -> bool:
+        """Keeps to its budget now (every phase but ``keeping``)."""
+        return self is not Phase.KEEPING
+
+    def parks(self) -> bool:
+        """What it evicts at a decision goes to the parking tier, if there is one (and the policy scores)."""
+        return self is Phase.READING
+
+
+P = Phase
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    P.KEEPING: frozenset({P.READING, P.DECODING}),
+    P.READING: frozenset({P.CHOOSING, P.DECODING}),
+    P.CHOOSING: frozenset({P.READING}),
+    P.DECODING: frozenset(),
+}
+
+
+class InvalidPhase(RuntimeError):
+    """A transition not in ``TRANSITIONS``: a bug in the compactor, never a user error."""
+
+
+def check_phase(request_id: str, frm: Phase, to: Phase, why: str) -> None:
+    if to not in TRANSITIONS[frm]:
+        allowed = ", ".join(sorted(TRANSITIONS[frm])) or "nothing"
+        raise InvalidPhase(f"request {request_id}: {frm} -> {to} ({why}); from {frm} it may go to {allowed}")

@@ -1,0 +1,54 @@
+"""RequestState: one request's vToken state on the compactor. Plain Python and NumPy, no vLLM, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vtoken.budget import kept_tokens
+from vtoken.park import Parked
+from vtoken.phase import Phase
+from vtoken.policies import EvictionPolicy
+from vtoken.records import RequestRecord
+from vtoken.schedule import Schedule
+from vtoken.token_table import TokenTable
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request's vToken state.
+
+    Invariants (``Compactor.check_integrity``): the table's physical slots fit the request's blocks; in vtoken
+    mode no ballast; ballast blocks belong to no request's block list; once ``dirty`` (a token died) the
+    request's blocks are never prefix-cached again (until a preemption starts it over); parked tokens only in
+    the ``reading`` and ``choosing`` phases.
+    """
+
+    request_id: str  # the engine's id
+    policy: EvictionPolicy
+    table: TokenTable
+    record: RequestRecord
+    prefill_len: int  # tokens to compute before the first new output token
+    prefill_evict: bool
+    window: int  # prefill observation window (queries)
+    schedule: Schedule = Schedule()  # when it may evict (vtoken/schedule.py)
+    phase: Phase = Phase.READING  # what it does at a decision point (vtoken/phase.py); changed by Compactor._to
+    ballast: list = field(default_factory=list)  # naive mode: blocks held as Naive-Evict would
+    stats: dict | None = None  # from the last forward that exported them, per physical slot
+    parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
+    gap_sent: int = 0
+    dirty: bool = False
+    compacted_at: int = -1  # the step of its last compaction: at most one per step (the moves of a step are
+    # applied as one simultaneous gather-then-scatter, so a second plan against moved slots would be wrong)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.table.num_logical < self.prefill_len
+
+    @property
+    def gap(self) -> int:
+        return self.table.num_logical - self.table.physical_len
+
+    def keep(self, num_logical: int) -> int:
+        """Live tokens the policy may leave at this length (vtoken/budget.py)."""
+        p = self.policy
+        return kept_tokens(num_logical, p.budget, p.sink, p.recent)
