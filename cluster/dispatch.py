@@ -25,8 +25,8 @@ from actors.engines import Chunk, GenerateSpec
 from actors.token_channel import ChannelStream, TokenChannel, Unreachable
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
-from cluster.placement import estimate_blocks
 from cluster.requests import ValidRequest
+from vtoken.budget import peak_blocks
 
 log = logging.getLogger("vtoken.gateway")
 
@@ -116,12 +116,9 @@ class Dispatcher:
         deadline = loop.time() + req.deadline_s if req.deadline_s is not None else None
         v = req.eviction.config if req.eviction else None
         evicting = v is not None and v.enabled
-        need = estimate_blocks(
-            len(req.prompt_token_ids),
-            req.max_tokens,
-            self.cfg.engine.block_size,
-            *((v.budget, v.sink, v.recent) if evicting else ()),
-        )
+        # What the request will hold at most: the compactor's own rule (vtoken/budget.py), for its own options.
+        bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict) if evicting else ()
+        need = peak_blocks(len(req.prompt_token_ids), req.max_tokens, self.cfg.engine.block_size, *bounded)
         spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
         tried: list[str] = []
         for _ in range(self.g.max_attempts):

@@ -6,7 +6,6 @@ has already filtered out the rest, so no strategy can place on a dead or drainin
 
 from __future__ import annotations
 
-import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -35,18 +34,6 @@ class ReplicaView(NamedTuple):
     @property
     def effective_free(self) -> int:
         return self.free_blocks - self.promised
-
-
-def estimate_blocks(
-    prompt_tokens: int, max_tokens: int, block_size: int, budget: float | None = None, sink: int = 0, recent: int = 0
-) -> int:
-    """Peak blocks a request will hold. With a vToken budget the context is capped at the kept tokens
-    (a ratio of the context, or a count, plus the protected sink and recent tokens) once eviction starts."""
-    tokens = prompt_tokens + max_tokens
-    if budget:
-        kept = budget * tokens if budget < 1 else budget
-        tokens = min(tokens, max(prompt_tokens, math.ceil(kept) + sink + recent))
-    return max(1, math.ceil(tokens / block_size) + 1)  # + the block being filled
 
 
 class PlacementStrategy(ABC):

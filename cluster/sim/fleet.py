@@ -19,10 +19,11 @@ from typing import Any
 
 from cluster.autoscaler import Autoscaler
 from cluster.config import AutoscalingConfig
-from cluster.placement import ReplicaView, estimate_blocks, make_strategy
+from cluster.placement import ReplicaView, make_strategy
 from cluster.sim.calibration import Calibration
 from cluster.sim.replica import Limits, Replica, Seq
 from cluster.sim.workload import Request
+from vtoken.budget import peak_blocks
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,8 @@ class Fleet:
             self._at(self.now + 0.1, "arrive", r)
             return
         c = self.cfg
-        need = estimate_blocks(
-            r.prompt, r.output, self.cal.block_size, *((c.budget, c.sink, c.recent) if c.estimate_with_budget else ())
-        )
+        budgeted = (c.budget, c.sink, c.recent, c.prefill_chunk, r.prefill_evict) if c.estimate_with_budget else ()
+        need = peak_blocks(r.prompt, r.output, self.cal.block_size, *budgeted)
         name = self.strategy.choose(views, need).name
         self.out.placed_on[r.id] = name
         work = r.prompt + r.output

@@ -21,12 +21,12 @@ next ``schedule``.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
 from cluster.sim.calibration import BlockProfile, StepTime
 from cluster.sim.workload import Request
+from vtoken.budget import live_tokens
 
 
 class Seq:
@@ -52,11 +52,8 @@ class Limits:
     protected: int = 20  # sink + recent tokens, never evicted
 
     def live(self, ctx: int) -> int:
-        """Live tokens of a request at ``ctx`` tokens (a ratio or a count budget, as the policies keep)."""
-        if not self.budget:
-            return ctx
-        kept = math.ceil(self.budget * ctx) if self.budget < 1 else int(self.budget)
-        return min(ctx, max(kept, self.protected))
+        """Live tokens of a request at ``ctx`` tokens: the compactor's rule (vtoken/budget.py)."""
+        return live_tokens(ctx, self.budget, self.protected, 0)
 
 
 class Replica:
