@@ -1,4 +1,4 @@
-"""What a simulated replica is made of, as measured on the real engine (``calibrate.py`` writes the JSON).
+"""What a simulated replica is made of, as measured on the real engine (``vtoken/bench/calibrate.py`` writes the JSON).
 
 Two models, both fitted from vLLM runs with vToken on this machine:
 

@@ -69,7 +69,8 @@ def add_args(p) -> None:
 
 
 def run(args) -> dict:
-    from cluster.sim import calibrate, calibration, study
+    from cluster.sim import calibration, study
+    from vtoken.bench import calibrate
 
     if args.calibrate:
         fresh = calibrate.serving(calibrate.run(), json.loads(Path(args.serving_from).read_text()))

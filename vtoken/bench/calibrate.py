@@ -45,7 +45,7 @@ def _timed_steps(llm, samples: list[tuple[float, int, int, int, int]]):
         n = out.num_scheduled_tokens
         if n:
             dec = [rid for rid, x in n.items() if x == 1]
-            live = sum(st.table.num_live for st in map(sched.vt_core.states.get, dec) if st is not None)
+            live = sum(map(sched.vt_core.num_live, dec))
             pre = [x for x in n.values() if x > 1]
             samples.append((t, len(dec), sum(pre), len(pre), live))
         return out
