@@ -33,8 +33,14 @@ def live_tokens(n: int, budget: float | None, sink: int, recent: int) -> int:
 
 
 def forward_bound(n: int, new: int, block_size: int, budget: float, sink: int, recent: int) -> int:
-    """Blocks a request may hold during a forward writing ``new`` tokens after ``n`` (vtoken mode's bound)."""
+    """Blocks a request may hold during a forward writing ``new`` tokens after ``n`` (vtoken mode's bound, the one
+    ``vtoken_stats`` checks: ``keep(n)`` even where fewer than ``keep(n)`` tokens were read)."""
     return -(-(kept_tokens(n, budget, sink, recent) + new) // block_size) + 1
+
+
+def _held(n: int, new: int, block_size: int, budget: float, sink: int, recent: int) -> int:
+    """The bound with what a request really has at ``n`` tokens read (``live(n)``, never more than ``n``)."""
+    return -(-(live_tokens(n, budget, sink, recent) + new) // block_size) + 1
 
 
 def peak_blocks(
@@ -60,9 +66,9 @@ def peak_blocks(
     if prefill_evict:
         step = chunk or prompt
         for start in range(0, prompt, max(step, 1)):
-            peak = max(peak, forward_bound(start, min(step, prompt - start), block_size, budget, sink, recent))
+            peak = max(peak, _held(start, min(step, prompt - start), block_size, budget, sink, recent))
     else:  # the whole prompt, and the first decode forward's token before the first eviction
         peak = -(-(prompt + (max_tokens > 1)) // block_size) + 1
     if max_tokens > 1:  # decode forwards read n = prompt .. prompt + max_tokens - 2; keep(n) grows with n
-        peak = max(peak, forward_bound(prompt + max_tokens - 2, 1, block_size, budget, sink, recent))
+        peak = max(peak, _held(prompt + max_tokens - 2, 1, block_size, budget, sink, recent))
     return peak
