@@ -6,7 +6,8 @@ prefix-cached tokens; they cover the prompt and, after a preemption, the outputs
 decode step per further output token. Row ``i`` of the teacher-forced sequence (prompt + output[:-1]) belongs to
 the forward that computed token ``i``; it may attend key ``k`` iff ``k <= i`` and ``k`` was not evicted at a
 forward ``<=`` its own (``evicted_at_forward``), nor parked then (a token parked and restored,
-``restored_positions``, is hidden from the forwards in ``[parked_at_forward, restored_at_forward)``). A
+``restored_positions``, is hidden from the forwards in ``[parked_at_forward, restored_at_forward)``), except that
+parking's last chunk (``joint_forward``) attends every token parked then (``joint_positions``) as well. A
 preempted request has several runs (``preempted_runs``, then the trace's own fields); output token ``j`` is
 checked against the run that sampled it. Nothing here imports vToken.
 """
@@ -39,9 +40,11 @@ def row_forwards(run: dict, prompt_len: int, n_rows: int) -> np.ndarray:
     return np.concatenate(rows).astype(np.int64)[:n_rows]
 
 
-def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0) -> np.ndarray:
+def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0, joint: bool = True) -> np.ndarray:
     """[rows, keys] bool. ``late``: negative control, apply every prefill-boundary eviction that many forwards
-    late (the rows of the chunk right after the boundary still see the evicted keys)."""
+    late (the rows of the chunk right after the boundary still see the evicted keys). ``joint``: the rows of the
+    trace's ``joint_forward`` (parking's last chunk) also see its ``joint_positions`` (False: a negative control
+    that ignores them)."""
     fwd = row_forwards(run, prompt_len, n_rows)
     died = np.full(n_rows, np.iinfo(np.int64).max)
     pos = np.asarray(run["evicted_positions"], dtype=np.int64)
@@ -57,10 +60,15 @@ def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0) -> np.n
         restored = np.asarray(run["restored_at_forward"], dtype=np.int64)
         hidden = (fwd[:, None] >= parked[None, :]) & (fwd[:, None] < restored[None, :])
         allowed[:, back] &= ~hidden
+    if joint and run.get("joint_forward", -1) >= 0:  # parking's last chunk attended the parked tokens too
+        rows = fwd == run["joint_forward"]
+        seen = np.asarray(run["joint_positions"], dtype=np.int64)
+        allowed[np.ix_(rows, seen)] = True
+        allowed &= np.tril(np.ones((n_rows, n_rows), dtype=bool))
     return allowed
 
 
-def masked_logprobs(model, trace: dict, late: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def masked_logprobs(model, trace: dict, late: int = 0, joint: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Greedy tokens and log-probabilities of the trace's output tokens under its eviction trace."""
     prompt, output = trace["prompt_token_ids"], trace["output_token_ids"]
     ids = torch.tensor([prompt + output[:-1]])
@@ -73,7 +81,7 @@ def masked_logprobs(model, trace: dict, late: int = 0) -> tuple[np.ndarray, np.n
         last = every[i + 1].get("outputs_at_start", 0) if i + 1 < len(every) else len(output)
         if last <= first:
             continue
-        allowed = torch.from_numpy(allowed_mask(run, p, n, late))
+        allowed = torch.from_numpy(allowed_mask(run, p, n, late, joint))
         mask = torch.zeros(1, 1, n, n, dtype=dtype)
         mask[0, 0][~allowed] = torch.finfo(dtype).min
         with torch.no_grad():

@@ -162,6 +162,51 @@ def test_the_joint_window_equals_one_softmax_over_parked_and_live_keys():
     assert np.allclose(out["parked:attn_sum"], acc[:6].numpy(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("attend", [True, False])
+def test_the_last_chunk_attends_live_and_parked_keys_in_one_softmax(attend, sliced, monkeypatch):
+    """Two requests in one forward; the second's last chunk (12 queries, 4 of them its window) runs with 6 parked
+    tokens: every query of that chunk attends the parked keys and the live keys up to itself in one softmax, and
+    its rows of the layer's output are rewritten with that; the first request's rows are left alone. Sliced: the
+    parked keys stream in two at a time (online softmax). Negative control: a tier that does not attend leaves the
+    kernel's rows, which differ from the reference."""
+    if sliced:
+        monkeypatch.setattr(KVTier, "MIN_SLICE", 2)
+        monkeypatch.setattr(KVTier, "SLICE_BYTES", 1)
+    g = torch.Generator().manual_seed(5)
+    kv = caches("cpu")
+    tier = KVTier(8, kv, "cpu", BS, D)
+    tier.attend = attend
+    for t in tier.kv:
+        t.copy_(torch.randn(t.shape, generator=g))
+    heads, chunk, n_q, seq = 4, 12, 4, 40
+    blocks = [[1, 2], [4, 9]]
+    live = np.array([blocks[1][s // BS] * BS + s % BS for s in range(seq)])
+    tier_slots = np.array([6, 1, 3, 0, 7, 2])
+    md = SimpleNamespace(seq_lens=torch.tensor([5, seq]), query_start_loc=torch.tensor([0, 5, 5 + chunk]),
+                         block_table=torch.tensor(blocks))  # fmt: skip
+    tier.begin([(1, n_q, tier_slots)])
+    for layer, k in enumerate(kv):
+        q = torch.randn(5 + chunk, heads, D, generator=g)
+        kernel = torch.randn(5 + chunk, heads, D, generator=g)  # what the pool's kernel wrote
+        output = kernel.clone()
+        tier.observe(q, k, md, 0.3, output)
+        keys = torch.stack([token(k, "cpu", int(s)) for s in live])  # [seq, kvh, 2D]
+        parked = tier.kv[layer][torch.as_tensor(tier_slots)]
+        allk = torch.cat([keys, parked])  # live first, then parked
+        pos = torch.arange(seq - chunk, seq)
+        mask = torch.cat([torch.arange(seq)[None, :] > pos[:, None], torch.zeros(chunk, 6, dtype=torch.bool)], 1)
+        qg = q[5:].view(chunk, 2, 2, D)
+        logits = torch.einsum("qkgd,skd->qkgs", qg, allk[..., :D]) * 0.3
+        p = torch.softmax(logits.masked_fill(mask[:, None, None, :], float("-inf")), -1)
+        want = torch.einsum("qkgs,skd->qkgd", p, allk[..., D:]).reshape(chunk, heads, D)
+        assert torch.equal(output[:5], kernel[:5])
+        if attend:
+            assert torch.allclose(output[5:], want, atol=1e-5)
+        else:
+            assert torch.equal(output[5:], kernel[5:]) and not torch.allclose(output[5:], want, atol=1e-3)
+
+
 def test_every_parked_token_losing_with_live_ones_is_one_clean_compaction():
     """The choice with the question where every parked token loses and live tokens lose too: the parked ones are
     freed for good, the live losers die, and nothing is killed twice. (A defect: the parked list was cleared

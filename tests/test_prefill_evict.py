@@ -161,4 +161,22 @@ def test_parked_tokens_come_back_and_the_output_stays_exact(policy):
         assert t["prefill_chunks"][-1] == 1, "the last prompt token, which samples, is read after the choice"
         assert all(p < f <= n for p, f in zip(t["parked_at_forward"], t["restored_at_forward"]))
         assert not set(back) & set(t["evicted_positions"][:0]), "restored tokens were not evicted then"
+        joint = t["joint_forward"]
+        assert joint == n - 2, "the chunk before the last prompt token attended the parked tokens"
+        assert set(back) <= set(t["joint_positions"]), "what came back was among what that chunk saw"
+        parked_then = [p for p, f in zip(t["evicted_positions"], t["evicted_at_forward"]) if f <= joint]
+        assert set(t["joint_positions"]) <= set(parked_then) | set(back)
     check_exact(r)
+
+
+def test_negative_controls_a_last_chunk_that_does_not_see_the_parked_tokens():
+    """The engine's last chunk attends the parked tokens: a reference that hides them from it fails. And an engine
+    whose last chunk does not attend them (the trace still saying it did) fails the reference."""
+    r = by_policy(chunked(park_tokens=4096), "h2o")
+    with pytest.raises(AssertionError):
+        check_exact(r, joint=False)
+    blind = engine({"mode": "vtoken", "policy": "h2o", **EVICT, "park_tokens": 4096}, {"fault": "blind_last_chunk"},
+                   lengths=LENGTHS)  # fmt: skip
+    assert all(t["joint_positions"] for t in blind.trace)
+    with pytest.raises(AssertionError):
+        check_exact(blind)

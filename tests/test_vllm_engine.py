@@ -83,12 +83,13 @@ def reference_model():
     return load(str(model_path("tiny-llama")))
 
 
-def check_exact(r, tol=1e-4, late: int = 0):
-    """Tokens equal the masked reference's greedy tokens; log-probabilities within tol."""
+def check_exact(r, tol=1e-4, late: int = 0, joint: bool = True):
+    """Tokens equal the masked reference's greedy tokens; log-probabilities within tol. ``late`` and ``joint``:
+    negative controls of the reference (tests/reference.py)."""
     ref = reference_model()
     worst = 0.0
     for tokens, lps, tr in zip(r.tokens, r.logprobs, r.trace):
-        greedy, ref_lp = masked_logprobs(ref, tr, late)
+        greedy, ref_lp = masked_logprobs(ref, tr, late, joint)
         assert tr["output_token_ids"] == tokens
         assert np.allclose(tr["logprobs"], lps), "the trace's logprobs are the ones the request received"
         assert greedy.tolist() == tokens, "greedy tokens differ from the masked reference"

@@ -31,10 +31,10 @@ may evict is vtoken/schedule.py's business; WHAT it does then depends on its pha
 
 Pressure mode (``evict: "pressure"``): the budget is a floor, not a target. A request keeps every token until the
 pool runs short (``plan_step``'s shortfall: blocks the running and waiting requests need, plus a watermark, beyond
-the free ones); then requests shed, one at a time, until the shortfall is covered. A request that sheds keeps to
-its budget from then on, so its peak is bounded from its first shed on. Order: requests that have read their
-prompt first (their statistics have seen the question), then those still reading it (with parking what they shed
-is parked); within each, the one holding most above its budget first (fewest requests lose tokens).
+the free ones); then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
+lowest-scored ones and never below its budget (vtoken/shedding.py says in which order, and why), and go on keeping
+the rest. A request still reading its prompt parks what it sheds, and chooses among live and parked tokens with
+the question as in always mode, keeping as many as it holds.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.request_state import RequestState
 from vtoken.schedule import Schedule
+from vtoken.shedding import Holder, plan_sheds
 from vtoken.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
@@ -347,18 +348,9 @@ class Compactor:
         if any(st.phase is Phase.KEEPING for _, st in todo):
             shortfall += sum(self._need(st, p.next_tokens) for p, st in todo)
         if shortfall > 0:
-            for p, st in self._shedding_order(todo, fresh):
-                if shortfall <= 0:
-                    break
-                before, need = len(self.blocks_of(st.request_id)), self._need(st, p.next_tokens)
-                self._to(st, Phase.READING if st.in_prefill else Phase.DECODING, f"shed: the pool is {shortfall} short")
-                st.record.shed_at = st.record.forwards
-                batch = self._evict_by_policy(st, p, fresh[st.request_id], shed=True)
-                if batch is not None:
-                    moves.append(batch)
-                    keep[st.request_id] = len(self.blocks_of(st.request_id))
-                    # What it gave back, less what its next forward now needs again.
-                    shortfall -= before - keep[st.request_id] - (self._need(st, p.next_tokens) - need)
+            for st, batch in self._shed(todo, fresh, shortfall):
+                moves.append(batch)
+                keep[st.request_id] = len(self.blocks_of(st.request_id))
         gaps = {}
         for _, st in todo:
             if st.gap != st.gap_sent:
@@ -383,25 +375,43 @@ class Compactor:
         """Blocks the request's next forward takes from the pool (it writes ``writing`` tokens)."""
         return max(-(-(st.table.physical_len + writing) // self.bs) - len(self.blocks_of(st.request_id)), 0)
 
-    def _evict_by_policy(self, st: RequestState, p: Progress, stats, shed: bool = False) -> MoveBatch | None:
-        victims = self._decide(st, p.num_output, stats, shed)
+    def _evict_by_policy(self, st: RequestState, p: Progress, stats) -> MoveBatch | None:
+        victims = self._decide(st, p.num_output, stats)
         if victims.size == 0:
             return None
         park = self.tier is not None and st.phase.parks() and bool(st.policy.needs)
         return self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
 
-    def _shedding_order(self, todo, fresh) -> list[tuple[Progress, RequestState]]:
-        """Requests that may shed, in the order they do (module docstring): still keeping every token, over their
-        budget, and (attention policies) with statistics from the forward just run."""
-        out = []
+    def _shed(self, todo, fresh, shortfall: int):
+        """Pressure mode: requests still keeping every token give back what the shortfall needs, with the fewest
+        tokens (vtoken/shedding.py: the order and why), each its lowest-scored candidates and never below its
+        budget; a request still reading its prompt parks what it sheds. Yields (request, its moves)."""
+        found = []
         for p, st in todo:
-            n = st.table.num_logical
-            if st.phase is not Phase.KEEPING or st.table.num_live <= st.keep(n):
+            stats = fresh[st.request_id]
+            if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None):
                 continue
-            if st.policy.needs and fresh[st.request_id] is None:
+            step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, shed=True)
+            if step is None:
                 continue
-            out.append((st.in_prefill, -(st.table.num_live - st.keep(n)), st.request_id, p, st))
-        return [(p, st) for *_, p, st in sorted(out, key=lambda t: t[:3])]
+            ranked = st.policy.ranked(self._input(st, step, stats))
+            most = min(st.table.num_live - st.keep(st.table.num_logical), ranked.size)
+            if most <= 0:
+                continue
+            writing = st.table.physical_len + p.next_tokens
+            holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
+            found.append((Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked))
+        counts = plan_sheds([f[0] for f in found], shortfall, self.bs)
+        for (_, p, st, ranked), count in zip(found, counts):
+            if not count:
+                continue
+            if st.record.shed_at < 0:
+                st.record.shed_at = st.record.forwards
+            logger.debug("vtoken: request %s sheds %d tokens (the pool is %d blocks short)", st.request_id, count,
+                         shortfall)  # fmt: skip
+            park = self.tier is not None and st.in_prefill and bool(st.policy.needs)
+            victims = np.sort(ranked[:count])
+            yield st, self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
 
     def _sync(self, st: RequestState, num_computed: int) -> None:
         """The table catches up with the tokens computed so far; the phase follows the prompt's progress."""
@@ -413,30 +423,26 @@ class Compactor:
             )
         if new:
             st.table.append(new)
-        if st.phase is Phase.READING:
-            n = st.table.num_logical
-            if st.schedule.chooses(st.parked.size > 0, n, st.prefill_len):
-                self._to(st, Phase.CHOOSING, f"the question read ({n} of {st.prefill_len}), {st.parked.size} parked")
-            elif n >= st.prefill_len:
-                self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
+        n = st.table.num_logical
+        if st.phase in (Phase.READING, Phase.KEEPING) and st.schedule.chooses(st.parked.size > 0, n, st.prefill_len):
+            self._to(st, Phase.CHOOSING, f"the question read ({n} of {st.prefill_len}), {st.parked.size} parked")
+        elif st.phase is Phase.READING and n >= st.prefill_len:
+            self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
 
-    def _decide(
-        self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None, shed: bool = False
-    ) -> np.ndarray:
-        none = np.empty(0, dtype=np.int64)
-        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, num_output, shed)
-        if step is None:
-            return none
-        policy = st.policy
-        if policy.needs and stats is None:
-            return none
+    def _decide(self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None) -> np.ndarray:
+        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, num_output)
+        if step is None or (st.policy.needs and stats is None):
+            return np.empty(0, dtype=np.int64)
+        return st.policy.select(self._input(st, step, stats))
+
+    def _input(self, st: RequestState, step: int, stats: dict[str, np.ndarray] | None) -> PolicyInput:
+        """What the policy sees of a request: its live tokens and their statistics, at policy step ``step``."""
         live = st.table.live_logical()
         named = {}
-        if policy.needs:
+        if st.policy.needs:
             slots = st.table.slot_of[live]
-            named = {name: stats[name][slots] for name in policy.needs}
-        inp = PolicyInput(st.table.num_logical, step, live, named, self._protected(st, live), st.record.seed)
-        return policy.select(inp)
+            named = {name: stats[name][slots] for name in st.policy.needs}
+        return PolicyInput(st.table.num_logical, step, live, named, self._protected(st, live), st.record.seed)
 
     def _protected_blocks(self, st: RequestState) -> int:
         """Blocks at the head of the request's list that are never evicted from or moved: every block up to the
@@ -524,7 +530,8 @@ class Compactor:
         if protected is not None:
             protected = np.concatenate([protected, np.zeros(parked.size, bool)])[order]
         inp = PolicyInput(st.table.num_logical, 0, everyone[order], named, protected, st.record.seed)
-        victims = st.policy.select(inp)
+        # Always mode keeps to the budget; pressure mode keeps as many tokens as it holds, the best of both tiers.
+        victims = st.policy.select(inp, keep=live.size if st.schedule.eager else None)
         is_parked = np.isin(parked.logical, victims)
         lose = np.flatnonzero(is_parked)
         win = np.flatnonzero(~is_parked)
@@ -539,7 +546,10 @@ class Compactor:
         return batch
 
     def _chosen(self, st: RequestState) -> None:
-        phase = Phase.READING if st.in_prefill else Phase.DECODING
+        if st.schedule.eager:  # pressure mode: back to keeping every token until the pool runs short
+            phase = Phase.KEEPING
+        else:
+            phase = Phase.READING if st.in_prefill else Phase.DECODING
         self._to(st, phase, "live and parked tokens chosen with the question")
 
     def _discard(self, st: RequestState, which: np.ndarray) -> None:
@@ -596,8 +606,11 @@ class Compactor:
         over = live + new_tokens > policy.target(num_computed_after)
         queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, num_output, over)
         if sched.scores_jointly(st.parked.size > 0, num_computed_after, st.prefill_len):
-            # All but the prompt's last token: its window (the question) is scored over live and parked keys in
-            # one softmax; the choice follows, and the last token's forward, which samples, sees the survivors.
+            # All but the prompt's last token: the question. Every query of this chunk attends the live and the
+            # parked keys in one softmax, so its hidden states, its window's scores (which choose the survivors)
+            # and the first answer token see the whole prompt; the choice follows, and the last token's forward,
+            # which samples, sees the survivors.
+            st.record.saw_parked(st.parked.logical)
             return ScoreAsk(min(st.window, new_tokens), policy.needs, st.parked.tier.copy())
         return ScoreAsk(queries, policy.needs) if queries else None
 
@@ -624,7 +637,7 @@ class Compactor:
                 )
             if self.mode == "vtoken" and st.ballast:
                 raise CompactorError(f"{rid}: ballast in vtoken mode")
-            if st.parked.size and st.phase not in (Phase.READING, Phase.CHOOSING):
+            if st.parked.size and st.phase is Phase.DECODING:
                 raise CompactorError(f"{rid}: {st.parked.size} tokens parked while {st.phase}")
             for b in [*blocks, *st.ballast]:
                 if b.ref_cnt == 1 and owned.setdefault(b.block_id, rid) != rid:

@@ -47,6 +47,8 @@ class RequestRecord:
     restored_parked_at: list[np.ndarray] = field(default_factory=list)  # the first forward that did not see them
     restored_at: list[np.ndarray] = field(default_factory=list)  # the first forward that saw them again
     shed_at: int = -1  # pressure mode: the forward before which it shed first (-1: never)
+    joint_forward: int = -1  # parking: the last chunk's forward, which attended the parked tokens too (-1: none)
+    joint_positions: np.ndarray | None = None  # the parked tokens that forward attended
     tokens_moved: int = 0
     steps: int = 0  # decode forwards
     sum_retained: int = 0
@@ -73,6 +75,11 @@ class RequestRecord:
         self.restored_pos.append(np.asarray(logical, dtype=np.int64))
         self.restored_parked_at.append(np.asarray(parked_at, dtype=np.int64))
         self.restored_at.append(np.full(len(logical), self.forwards, dtype=np.int64))
+
+    def saw_parked(self, logical: np.ndarray) -> None:
+        """The forward just recorded (``self.forwards - 1``) attends these parked tokens besides the live ones."""
+        self.joint_forward = self.forwards - 1
+        self.joint_positions = np.asarray(logical, dtype=np.int64).copy()
 
     def forward(self, new_tokens: int, prefill: bool, retained: int, naive: int, floor: int, bound: int) -> None:
         """A forward of ``new_tokens`` tokens runs now, with the request holding ``retained`` blocks."""
@@ -131,6 +138,9 @@ class RequestRecord:
             out["restored_positions"] = cat(self.restored_pos)
             out["parked_at_forward"] = cat(self.restored_parked_at)
             out["restored_at_forward"] = cat(self.restored_at)
+        if self.joint_forward >= 0:  # that forward saw these parked tokens as well as the live ones
+            out["joint_forward"] = self.joint_forward
+            out["joint_positions"] = self.joint_positions.tolist()
         if self.shed_at >= 0:
             out["shed_at_forward"] = self.shed_at
         if self.earlier:

@@ -152,7 +152,7 @@ class AttentionScorer:
         self._scale = 1.0  # their softmax scale
         self._layers = self._heads = 0  # layers observed this step, query heads per layer on this rank
 
-    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float) -> None:
+    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, scale: float, output=None) -> None:
         """One attention layer, after it wrote its KV: add the observed queries' attention to the step.
 
         ``query`` [num_tokens, heads, head_size] (this rank's heads); ``kv_cache`` one layer in ``layout``;

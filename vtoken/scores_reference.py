@@ -96,7 +96,7 @@ class ReferenceScorer:
         self._where: dict[int, tuple[list[int], torch.Tensor]] = {}  # row -> (query positions, key slots)
         self._layers = 0
 
-    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float) -> None:
+    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, output=None) -> None:
         if not self._todo:
             return
         kv = kv_cache.cpu()

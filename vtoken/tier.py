@@ -34,6 +34,9 @@ from vtoken.scores import uniform_share
 
 
 class KVTier:
+    SLICE_BYTES = 64 << 20  # the logits of one slice of parked keys: bounded however many tokens are parked
+    MIN_SLICE = 256  # tokens
+
     def __init__(
         self,
         capacity: int,
@@ -55,6 +58,7 @@ class KVTier:
         self.extra = [torch.empty(capacity, dtype=t.dtype, device=t.device) for t in extra]
         self._layer = {kv.data_ptr(): i for i, kv in enumerate(kv_caches)}
         self.bytes_moved = 0
+        self.attend = True  # the last chunk attends the parked keys (False: only scores them; a negative control)
         self._rows: list[tuple[int, int, np.ndarray]] = []
 
     def _positions(self, kv: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
@@ -100,33 +104,39 @@ class KVTier:
         self._where: dict[int, tuple[np.ndarray, int]] = {}
         self._heads = self._layers = 0
 
-    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float) -> None:
-        """One attention layer (after it wrote its KV): the windows' weights over live + parked keys."""
+    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, output=None) -> None:
+        """One attention layer (after it wrote its KV and computed its attention into ``output``): each joint row's
+        chunk attends its live keys (causal) and every parked key in one softmax, written over the row's rows of
+        ``output`` (``attend``; None: the window's statistics only), and the window's weights are kept."""
         if not self._rows:
             return
         layer = self._layer.get(kv_cache.data_ptr())
         if layer is None:
             return
-        d = self.head_size
         for row, n_q, tier_slots in self._rows:
-            seq, end = int(md.seq_lens[row]), int(md.query_start_loc[row + 1])
+            seq, start, end = int(md.seq_lens[row]), int(md.query_start_loc[row]), int(md.query_start_loc[row + 1])
+            if output is None or not self.attend:
+                start = end - n_q  # the window alone
             table = md.block_table[row].cpu().numpy()
             live = to_global_slots(np.arange(seq), table, self.bs)
-            k_live = kv_cache.view(-1)[self._positions(kv_cache, live)][..., :d]  # [seq, kvh, D]
-            k_parked = self.kv[layer][torch.as_tensor(tier_slots, device=kv_cache.device)][..., :d]
-            k = torch.cat([k_live, k_parked]).float()  # [S, kvh, D]
-            q = query[end - n_q : end].float()  # [n_q, H, D]
-            group = q.shape[1] // k.shape[1]
-            logits = torch.einsum("qkgd,skd->qkgs", q.view(n_q, k.shape[1], group, d), k) * scale
-            pos = torch.arange(seq - n_q, seq, device=k.device)  # each query's physical position
-            future = torch.arange(seq, device=k.device)[None, :] > pos[:, None]  # live keys after the query
-            mask = torch.cat([future, torch.zeros(n_q, k.shape[0] - seq, dtype=torch.bool, device=k.device)], 1)
-            logits = logits.masked_fill(mask[:, None, None, :], float("-inf"))
-            w = torch.softmax(logits, dim=-1).sum(dim=(1, 2))  # [n_q, S]: summed over this layer's heads
+            kv_live = kv_cache.view(-1)[self._positions(kv_cache, live)]  # [seq, kvh, 2 * head_size]
+            pos = torch.arange(seq - (end - start), seq, device=kv_cache.device)  # each query's physical position
+            out, w = joint_attention(
+                query[start:end], kv_live, self._parked(layer, tier_slots, kv_cache.device, end - start,
+                query.shape[1]), pos, scale, n_q, self.head_size)  # fmt: skip
+            if output is not None and self.attend:
+                output[start:end].view(out.shape).copy_(out.to(output.dtype))
             self._w[row] = self._w.get(row, 0) + w
-            self._where[row] = (pos.cpu().numpy(), live)
+            self._where[row] = (pos[-n_q:].cpu().numpy(), live)
         self._heads = query.shape[1]
         self._layers += 1
+
+    def _parked(self, layer: int, tier_slots: np.ndarray, device: torch.device, queries: int, heads: int):
+        """The parked tokens' K and V of one layer, in slices whose logits stay under ``SLICE_BYTES``."""
+        step = max(self.MIN_SLICE, self.SLICE_BYTES // max(4 * queries * heads, 1))
+        idx = torch.as_tensor(tier_slots, dtype=torch.long)
+        for i in range(0, idx.numel(), step):
+            yield self.kv[layer][idx[i : i + step].to(self.kv[layer].device)].to(device, non_blocking=True)
 
     def end(self, scorer) -> None:
         """The windows' statistics replace the live slots' (in ``scorer``'s per-slot tensors) and fill the
@@ -161,3 +171,54 @@ class KVTier:
         idx = torch.as_tensor(tier_slots, dtype=torch.long)
         src = dict(zip((ATTN_SUM, ATTN_HIST), self.extra))
         return {f"parked:{n}": src[n][idx.to(src[n].device)].cpu().numpy() for n in names}
+
+
+def joint_attention(
+    q: torch.Tensor,
+    kv_live: torch.Tensor,
+    parked,
+    pos: torch.Tensor,
+    scale: float,
+    n_window: int,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a chunk's queries over its live keys (causal) and parked keys (all earlier), in one softmax.
+
+    ``q`` [Q, H, D] (after RoPE, as the layer computed it); ``kv_live`` [S, KVH, 2D] the request's live tokens in
+    physical order (K then V); ``parked``: an iterable of [P_i, KVH, 2D] slices of its parked tokens; ``pos`` [Q]
+    each query's physical position (it sees live keys 0..pos). The slices are folded one after another with an
+    online softmax (a running maximum and sum, as FlashAttention and vLLM's ``merge_attn_states`` combine partial
+    attentions), so the parked keys may stream in from host memory a slice at a time.
+
+    Returns the output [Q, H, D] (float32) and the last ``n_window`` queries' weights summed over heads
+    [n_window, S + P] (live keys first, then the parked ones in order)."""
+    n, heads, d = q.shape
+    kvh = kv_live.shape[1]
+    qg = q.float().reshape(n, kvh, heads // kvh, d)
+    m = torch.full(qg.shape[:3], float("-inf"), device=q.device)
+    total = torch.zeros(qg.shape[:3], device=q.device)
+    acc = torch.zeros(n, kvh, heads // kvh, head_size, device=q.device)
+    window = []
+
+    def fold(kv: torch.Tensor, future: torch.Tensor | None) -> None:
+        nonlocal m, total, acc
+        kv = kv.float()
+        logits = torch.einsum("qkgd,skd->qkgs", qg, kv[..., :head_size]) * scale
+        if future is not None:
+            logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, logits.amax(-1))
+        p = torch.exp(logits - m_new[..., None])
+        rescale = torch.exp(m - m_new)
+        total = total * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.einsum("qkgs,skd->qkgd", p, kv[..., head_size:])
+        m = m_new
+        window.append(logits[n - n_window :])
+
+    keys = torch.arange(kv_live.shape[0], device=q.device)
+    fold(kv_live, keys[None, :] > pos[:, None])
+    for kv in parked:
+        fold(kv, None)
+    out = (acc / total[..., None]).reshape(n, heads, head_size)
+    lse = (m + torch.log(total))[n - n_window :, ..., None]
+    weights = torch.cat([torch.exp(w - lse) for w in window], dim=-1).sum(dim=(1, 2))
+    return out, weights

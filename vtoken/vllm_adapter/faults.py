@@ -10,7 +10,7 @@ import contextlib
 
 from vtoken.vllm_adapter.tp import TensorParallel
 
-FAULTS = ("skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only")
+FAULTS = ("skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only", "blind_last_chunk")
 
 
 class FaultyTensorParallel(TensorParallel):

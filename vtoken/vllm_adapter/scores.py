@@ -1,8 +1,10 @@
-"""The scorer's hook into vLLM: every attention layer's ``impl.forward`` hands its query and KV cache over.
+"""The scorer's hook into vLLM: every attention layer's ``impl.forward`` hands its query, KV cache and output over.
 
 vllm/model_executor/layers/attention/attention.py calls ``layer.impl.forward(layer, query, key, value,
 kv_cache, attn_metadata, ...)`` after RoPE, with the step's KV already written; the wrapper below passes
-those to ``AttentionScorer.observe`` once the layer's own attention is done. The scorer itself
+those to ``AttentionScorer.observe`` once the layer's own attention is done, and its output (``[num_tokens, heads,
+head_size]``, vLLM's ``output`` buffer) to parking's tier, which rewrites the rows of a last prompt chunk that must
+attend the parked tokens too (vtoken/tier.py), before the next layer reads them. The scorer itself
 (``vtoken/scores.py``) knows no vLLM beyond four metadata field names, so it is tested, and checked on a
 GPU, without vLLM.
 
@@ -26,9 +28,9 @@ class Observers:
     def __init__(self, *observers) -> None:
         self.observers = [o for o in observers if o is not None]
 
-    def observe(self, query, kv_cache, attn_metadata, scale: float) -> None:
+    def observe(self, query, kv_cache, attn_metadata, scale: float, output=None) -> None:
         for o in self.observers:
-            o.observe(query, kv_cache, attn_metadata, scale)
+            o.observe(query, kv_cache, attn_metadata, scale, output)
 
 
 # A full CUDA graph would replay attention without calling the hook (and the hook allocates): engine_kwargs keeps
@@ -53,7 +55,7 @@ def install(attention_layers: dict, scorer: AttentionScorer | Observers) -> int:
                 raise RuntimeError(CAPTURED)
             out = _orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kw)
             if attn_metadata is not None and kv_cache is not None and kv_cache.numel():
-                scorer.observe(query, kv_cache, attn_metadata, _impl.scale)
+                scorer.observe(query, kv_cache, attn_metadata, _impl.scale, out)  # parking's last chunk rewrites out
             return out
 
         impl.forward = forward

@@ -32,11 +32,14 @@ from vtoken.vllm_adapter.worker import VTokenCPUWorker, gpu_worker_cls
 class Knobs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    fault: Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only"] | None = Field(
+    fault: (
+        Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only", "blind_last_chunk"] | None
+    ) = Field(
         None,
         description="negative controls: skip the KV copies, or feed physical positions to RoPE (both must break "
         "exactness); TP rank 1 raises while applying a plan (the engine must stop), or attention statistics "
-        "from rank 0's heads only (H2O's decisions must change)",
+        "from rank 0's heads only (H2O's decisions must change); parking's last chunk does not attend the "
+        "parked tokens although the trace says it does (exactness must break)",
     )
     relocate_every: int = Field(
         0,
@@ -128,6 +131,8 @@ class TestingRunnerMixin:
 
     def _vt_apply(self, step, so) -> None:
         super()._vt_apply(step, so)
+        if self.vt_tier is not None:  # negative control: the last chunk does not attend the parked tokens
+            self.vt_tier.attend = self.vt_knobs.fault != "blind_last_chunk"
         for rid, blocks in getattr(so, "vtoken_testing", {}).get("replace_blocks", {}).items():
             self._vt_set_blocks(rid, lambda ids, blocks=blocks: blocks)
 
