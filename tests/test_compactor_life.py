@@ -1,6 +1,6 @@
 """A request's life on the compactor, driven through tests/kvsim.py (the real Compactor, no engine): its phases and
-their one transition function, pressure mode's shortfall rule and shedding order, and the trace's bookkeeping across
-a preemption."""
+their one transition function, pressure mode's shortfall rule and elastic shedding (tests/test_shedding.py holds the
+shedding plan itself), and the trace's bookkeeping across a preemption."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def test_a_transition_outside_the_table_raises():
     with pytest.raises(InvalidPhase, match="reading -> keeping"):
         sim.core._to(st, Phase.KEEPING, "a bug")
     assert st.phase is Phase.READING
+    st.phase = Phase.DECODING
+    with pytest.raises(InvalidPhase, match="decoding -> reading"):
+        sim.core._to(st, Phase.READING, "a bug")
 
 
 def pressure_sim(num_blocks: int) -> KVSim:
@@ -62,30 +65,34 @@ def test_pressure_keeps_every_token_while_the_pool_holds_the_demand():
     sim.check()
 
 
-def test_pressure_sheds_the_request_that_read_its_prompt_first_and_only_as_far_as_the_shortfall():
+def test_pressure_sheds_only_what_the_pool_is_short_and_keeps_the_rest():
     sim = pressure_sim(num_blocks=18)  # 7 + 5 blocks held, 6 free
     free = sim.pool.get_num_free_blocks()
-    # A waiting request's first forward needs 5 blocks, the running ones 2 more: 1 short -> one request sheds.
+    before = {rid: st.table.num_live for rid, st in sim.core.states.items()}
+    # A waiting request's first forward needs 5 blocks, the running ones 2 more: 1 short -> one block comes back.
     sim.step({"done": 1, "reading": 8}, waiting=[5 * BS], watermark=free - 5 - 2 + 1)
     phases = {rid: st.phase for rid, st in sim.core.states.items()}
-    assert phases == {"done": Phase.DECODING, "reading": Phase.KEEPING}  # read its prompt: sheds first
-    done = sim.core.states["done"]
-    assert done.table.num_live == done.keep(done.table.num_logical)  # to its budget at once
-    reading = sim.core.states["reading"]
-    assert done.record.shed_at >= 0 and reading.record.shed_at == -1 and sim.core.pressure_active()
-    assert reading.table.num_live == reading.table.num_logical  # the shortfall was covered: it lost nothing
+    assert phases == {"done": Phase.KEEPING, "reading": Phase.KEEPING}  # both go on keeping what they hold
+    done, reading = sim.core.states["done"], sim.core.states["reading"]
+    # done (24 + 1 tokens read, 7 blocks) gave its cheapest block: 25 + 1 tokens into 7 blocks, 2 in the last one
+    assert done.table.num_live == before["done"] + 1 - 2 and done.record.shed_at >= 0
+    assert reading.table.num_live == reading.table.num_logical and reading.record.shed_at == -1
+    assert done.table.num_live > done.keep(done.table.num_logical)  # far above its budget still
+    assert sim.core.pressure_active()
     sim.check()
 
 
-def test_a_shed_while_reading_continues_reading_and_then_decodes():
+def test_a_request_sheds_no_further_than_its_budget_however_short_the_pool():
     sim = pressure_sim(num_blocks=18)
     sim.finish("done")
     sim.step({"reading": 8}, waiting=[40 * BS], watermark=0)  # far more than anyone can give
     st = sim.core.states["reading"]
-    assert st.phase is Phase.READING and st.record.shed_at >= 0
+    assert st.phase is Phase.KEEPING and st.record.shed_at >= 0
+    # As far as whole blocks come back: a further token would free nothing, or go below the budget.
+    assert 0 <= st.table.num_live - st.keep(st.table.num_logical) < BS
     sim.step({"reading": 12})  # the rest of the prompt
-    sim.step({"reading": 1})
-    assert st.phase is Phase.DECODING and not sim.core.pressure_active()
+    sim.step({"reading": 1}, waiting=[40 * BS])
+    assert st.table.num_live >= st.keep(st.table.num_logical)
     sim.check()
 
 

@@ -1,13 +1,13 @@
 """Eviction under pressure (``evict="pressure"``) on the tiny random Llama: on a pool that never runs short it is
-stock vLLM to the bit; on a pool that does, requests shed to their budget (and no further), vLLM preempts no more
-than with ``evict="always"``, the peak bound holds at every forward from a request's first shed on, and the
-outputs equal the masked reference rebuilt from the trace (a negative control applies each shed a forward late).
-Each engine run is cached for the session (tests/test_vllm_engine.py ``engine``)."""
+stock vLLM to the bit; on a pool that does, requests give back what the pool is short and never go below their
+budget (tests/test_shedding.py holds the plan itself), vLLM preempts no more than with ``evict="always"``, what a
+request sheds while reading its prompt is parked and chosen again with the question, and the outputs equal the
+masked reference rebuilt from the trace (a negative control applies each shed a forward late). Each engine run is
+cached for the session (tests/test_vllm_engine.py ``engine``)."""
 
 from __future__ import annotations
 
 import copy
-import math
 
 import numpy as np
 import pytest
@@ -37,19 +37,7 @@ def test_a_pool_that_never_runs_short_is_stock_vllm_to_the_bit():
     assert on.stats["tokens_evicted"] == 0
 
 
-def forwards_and_bounds(t: dict, policy) -> tuple[list[int], list[int]]:
-    """Each forward's tokens computed before it, and its bound ceil((keep + new) / block_size) + 1."""
-    before, out_before, bounds = [], 0, []
-    steps = [*t["prefill_chunks"], *([1] * (len(t["blocks_per_forward"]) - len(t["prefill_chunks"])))]
-    for new in steps:
-        before.append(out_before)
-        keep = max(policy.target(out_before), min(out_before, policy.sink + policy.recent))
-        bounds.append(math.ceil((keep + new) / BS) + 1)
-        out_before += new
-    return before, bounds
-
-
-def test_a_short_pool_sheds_to_the_budget_preempts_no_more_than_always_and_stays_exact():
+def test_a_short_pool_sheds_elastically_preempts_no_more_than_always_and_stays_exact():
     pressure, always = short("pressure"), short("always")
     shed = [t for t in pressure.trace if "shed_at_forward" in t]
     assert shed and pressure.stats["tokens_evicted"] > 0, "the pool ran short: requests should shed"
@@ -59,11 +47,9 @@ def test_a_short_pool_sheds_to_the_budget_preempts_no_more_than_always_and_stays
     for t in pressure.trace:
         total = len(t["prompt_token_ids"]) + len(t["output_token_ids"])
         assert len(t["evicted_positions"]) <= total - policy.target(total), "went below its budget"
-        if "shed_at_forward" in t and not t.get("preempted_runs"):
-            _, bounds = forwards_and_bounds(t, policy)
-            held = t["blocks_per_forward"]
-            late = [(f, held[f], bounds[f]) for f in range(t["shed_at_forward"], len(held)) if held[f] > bounds[f]]
-            assert not late, f"over the bound after its first shed: {late}"
+    assert sum(len(t["evicted_positions"]) for t in pressure.trace) < sum(
+        len(t["evicted_positions"]) for t in always.trace
+    ), "pressure mode gives back only what the pool is short: fewer tokens than keeping to the budget"
     assert pressure.stats["free_blocks"] == pressure.stats["total_blocks"]
     check_exact(pressure)
 

@@ -1,14 +1,17 @@
 """Phase: where a request is in its life on the compactor, and the transitions it may make.
 
-    keeping  --the pool runs short, it sheds (pressure mode)-->        reading (prompt not read) | decoding
-    reading  --its prompt read but the last token, tokens parked-->    choosing
     reading  --its prompt read-->                                      decoding
-    choosing --live and parked tokens chosen with the question-->      reading (its last prompt token still to read)
+    reading  --its prompt read but the last token, tokens parked-->    choosing
+    keeping  --its prompt read but the last token, tokens parked-->    choosing   (pressure mode)
+    choosing --live and parked tokens chosen with the question-->      reading (its last prompt token still to
+                                                                       read) | decoding | keeping (pressure mode)
 
-A request starts ``keeping`` in pressure mode (``evict: "pressure"``), else ``reading``. What each phase does at a
-decision point (vtoken/compactor.py ``plan_step``; when a decision point comes is vtoken/schedule.py's business):
+A request starts ``keeping`` in pressure mode (``evict: "pressure"``) and stays so (but for its choice with the
+question), else ``reading``. What each phase does at a decision point (vtoken/compactor.py ``plan_step``; when a
+decision point comes is vtoken/schedule.py's business):
 
-    keeping   nothing: every token stays until the pool runs short
+    keeping   keeps every token until the pool runs short; then gives back what the shortfall needs, never below
+              its budget (vtoken/shedding.py), parking what it sheds while it reads its prompt
     reading   evict to the budget at chunk boundaries; with a parking tier the victims are parked
     choosing  choose among live and parked tokens by the last chunk's window (the question); parked winners return
     decoding  evict to the budget at decode steps
@@ -22,7 +25,7 @@ import enum
 
 
 class Phase(enum.StrEnum):
-    KEEPING = "keeping"  # pressure mode before its first shed: keeps every token
+    KEEPING = "keeping"  # pressure mode: keeps every token it can, gives back only what the pool is short
     READING = "reading"  # reading its prompt, keeping to its budget at chunk boundaries (parking what drops)
     CHOOSING = "choosing"  # the question read, tokens parked: the next decision chooses among live and parked
     DECODING = "decoding"  # its prompt read: keeps to its budget at decode steps
@@ -38,9 +41,9 @@ class Phase(enum.StrEnum):
 
 P = Phase
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    P.KEEPING: frozenset({P.READING, P.DECODING}),
+    P.KEEPING: frozenset({P.CHOOSING}),
     P.READING: frozenset({P.CHOOSING, P.DECODING}),
-    P.CHOOSING: frozenset({P.READING}),
+    P.CHOOSING: frozenset({P.READING, P.DECODING, P.KEEPING}),
     P.DECODING: frozenset(),
 }
 

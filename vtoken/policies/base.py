@@ -79,21 +79,23 @@ class EvictionPolicy(ABC):
     def score(self, inp: PolicyInput) -> np.ndarray:
         """One float per live token (aligned with ``inp.live``): higher means more worth keeping."""
 
-    def select(self, inp: PolicyInput) -> np.ndarray:
-        """Logical positions to evict now (int64, ascending); empty when nothing needs to go. Called only at a
-        decision point (vtoken/schedule.py)."""
+    def ranked(self, inp: PolicyInput) -> np.ndarray:
+        """The live tokens the policy may evict (not sink, recent or protected), least worth keeping first (int64
+        logical positions). Stable: among equal scores the oldest token comes first, identically on every rank."""
         live = np.asarray(inp.live, dtype=np.int64)
-        excess = live.size - self.target(inp.num_logical)
-        if excess <= 0:
-            return np.empty(0, dtype=np.int64)
         keep = (live < self.sink) | (live >= inp.num_logical - self.recent)
         if inp.protected is not None:
             keep |= np.asarray(inp.protected, dtype=bool)
         candidates = np.flatnonzero(~keep)
-        k = min(excess, candidates.size)
-        if k == 0:
+        if candidates.size == 0:
             return np.empty(0, dtype=np.int64)
         scores = np.asarray(self.score(inp), dtype=np.float64)[candidates]
-        # Stable sort: among equal scores the oldest token goes first, identically on every rank.
-        victims = candidates[np.argsort(scores, kind="stable")[:k]]
-        return np.sort(live[victims])
+        return live[candidates[np.argsort(scores, kind="stable")]]
+
+    def select(self, inp: PolicyInput, keep: int | None = None) -> np.ndarray:
+        """Logical positions to evict now (int64, ascending) so that ``keep`` live tokens stay (default: the
+        budget's target); empty when nothing needs to go. Called only at a decision point (vtoken/schedule.py)."""
+        excess = len(inp.live) - (self.target(inp.num_logical) if keep is None else keep)
+        if excess <= 0:
+            return np.empty(0, dtype=np.int64)
+        return np.sort(self.ranked(inp)[:excess])

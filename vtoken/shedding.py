@@ -1,0 +1,61 @@
+"""Pressure mode's shedding: how many tokens each request gives up so that the pool covers a shortfall of blocks
+with the fewest tokens evicted. Plain Python; the compactor (vtoken/compactor.py) asks it, the tests hold it to a
+brute force.
+
+A request that writes ``w`` tokens in its next forward on top of ``n`` physical tokens holds
+``H = max(blocks now, ceil((n + w) / B))`` blocks during that forward. Shedding ``c`` of its tokens (packing the
+rest) makes it hold ``ceil((n + w - c) / B)``: to give back ``g`` blocks it sheds ``c(g) = n + w - B * (H - g)``
+tokens. The first block it gives back costs what its last block holds (at most ``B``), every further block ``B``.
+A request may shed only down to its budget (``most``: its live tokens above what its policy keeps).
+
+The order, and why:
+  1. the fewest tokens first: a block that is nearly empty costs fewer tokens than a full one, and every token
+     evicted is a token an answer might need. Taking the cheapest block each time is optimal here, because each
+     request's costs do not decrease (its first block costs at most B, the others B);
+  2. among equal costs, requests that have read their prompt before those still reading it: their statistics
+     have seen the question, while a request still reading parks what it sheds (it is chosen again with the
+     question, so its loss is not final, but its choice is less informed now);
+  3. then the request holding most above its budget (the loss is the smallest share of what it holds);
+  4. then the request id (a total order: every TP rank and every rerun decides the same).
+Which tokens a request sheds is its policy's choice: its lowest-scored candidates.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Holder(NamedTuple):
+    """One request that may shed, as the planner sees it."""
+
+    writing_len: int  # n + w: its physical tokens once its next forward has written its new ones
+    holds: int  # H: blocks it holds during its next forward if it sheds nothing
+    most: int  # tokens it may shed: its live tokens above its budget that its policy may evict
+    reading: bool  # still reading its prompt
+    request_id: str
+
+
+def tokens_for(h: Holder, blocks: int, block_size: int) -> int:
+    """Tokens ``h`` sheds to give back ``blocks`` blocks (at least one token: nothing moves without a victim)."""
+    return max(1, h.writing_len - block_size * (h.holds - blocks)) if blocks else 0
+
+
+def plan_sheds(holders: list[Holder], shortfall: int, block_size: int) -> list[int]:
+    """Tokens each holder sheds: the blocks they give back cover ``shortfall`` (as far as their budgets allow) and
+    no other choice covers it with fewer tokens; ties broken in the module's order. O(holders * shortfall)."""
+    if shortfall <= 0:
+        return [0] * len(holders)
+    offers = []  # (marginal tokens, order of the holder, blocks given back so far + 1, holder)
+    for i, h in enumerate(holders):
+        rank = (h.reading, -h.most, h.request_id)
+        before = 0
+        for g in range(1, min(h.holds, shortfall) + 1):
+            cost = tokens_for(h, g, block_size)
+            if cost > h.most:
+                break
+            offers.append((cost - before, rank, g, i))
+            before = cost
+    taken = [0] * len(holders)
+    for _, _, g, i in sorted(offers)[:shortfall]:
+        taken[i] = max(taken[i], g)
+    return [tokens_for(h, g, block_size) for h, g in zip(holders, taken)]
