@@ -3,7 +3,8 @@
 #  1. tests marked gpu: the fused mover against the per-move reference (fp32/bf16/fp16, a block reused in the
 #     same step), no host synchronisation, the per-layer waits with a planted missing wait, a captured CUDA
 #     graph of an attention stack reading the slots the mover just wrote (and one without the waits, caught);
-#     today's CudaMover; the attention scorer in the CUDA layout against its reference.
+#     today's CudaMover; the attention scorer in the CUDA layout against its reference; the parking tier in
+#     pinned host memory (side-stream copies, the last chunk attending parked keys streamed from the host).
 #  2. `vtoken bench core --device cuda`: the fused mover's GB/s against a contiguous copy_ of the same bytes and
 #     against today's mover (SmolLM2's and an 8B model's shapes), and a synthetic paged-attention decode step
 #     (CUDA graph) without moves, with a step's moves serial and overlapped.
@@ -18,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFA
 "$py" -c 'import torch, triton; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0), torch.__version__, "triton", triton.__version__)'
 status=0
 timeout 80 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_mover.py tests/test_cuda_graph_moves.py \
-  tests/test_mover.py tests/test_scores.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+  tests/test_mover.py tests/test_scores.py tests/test_park.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 60 "$py" -m vtoken.bench core --device cuda --out "$out" 2>&1 | tee "$out/gpu_bench.log" || status=1
 # The scorer per decode step at three context lengths (4 requests, SmolLM2's shapes), bf16 as served.
 timeout 35 "$py" -m vtoken.bench.overhead --device cuda --dtype bfloat16 --lengths 1024,4096,16384 \

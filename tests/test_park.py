@@ -236,3 +236,47 @@ def test_every_parked_token_losing_with_live_ones_is_one_clean_compaction():
     assert st.table.live_logical().tolist() == list(range(16, 24))  # the 8 lowest-scored live ones died
     assert core.tier.num_free == 64
     core.check_integrity()
+
+
+def test_the_tier_is_sized_from_host_memory_on_a_gpu(monkeypatch):
+    from vtoken import config as config_mod
+    from vtoken.config import VTokenConfig
+
+    monkeypatch.setattr(config_mod, "host_memory_bytes", lambda: 64 << 30)
+    cfg = VTokenConfig()
+    assert cfg.tier_tokens(10_000, "cpu") == 20_000  # a CPU pool is host memory already: twice its tokens
+    per_token = 128 << 10  # Llama-3.1-8B: 32 layers x 8 kv heads x 128 x 2 (K, V) x 2 bytes
+    assert cfg.tier_tokens(10**6, "cuda", per_token) == (16 << 30) // per_token  # a quarter of 64 GiB
+    assert cfg.tier_tokens(10**6, "cuda", per_token, ranks=2) == (8 << 30) // per_token  # shared by two ranks
+    assert cfg.tier_tokens(1_000, "cuda", per_token) == 4_000  # never more than four pools
+    assert VTokenConfig(park_host_memory=0.5).tier_tokens(10**6, "cuda", per_token) == (32 << 30) // per_token
+    assert VTokenConfig(park_tokens=77).tier_tokens(10**6, "cuda", per_token) == 77
+    assert VTokenConfig(park_tokens=0).tier_tokens(10**6, "cuda", per_token) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_tier_is_pinned_host_memory_and_agrees_with_the_cpu():
+    """The same parks, fetches and restores, and the same last chunk, on CUDA caches (tier in pinned host memory,
+    copies on a side stream) and on CPU caches: byte-identical moves, outputs within float tolerance."""
+    runs = {}
+    for device in ("cpu", "cuda"):
+        kv = [t.to(device) for t in caches("flash")]
+        tier = KVTier(16, kv, "flash", BS, D)
+        assert tier.kv[0].device.type == "cpu" and tier.kv[0].is_pinned() == (device == "cuda")
+        tier.park(kv, [], MoveBatch(np.array([3, 40, 41, 200]), np.array([5, 0, 9, 2])))
+        for k in kv:
+            k.zero_()
+        back = MoveBatch(np.array([5, 0, 9, 2]), np.array([100, 101, 300, 7]))
+        tier.restore(kv, [], back, tier.fetch(back))
+        md = SimpleNamespace(seq_lens=torch.tensor([40]), query_start_loc=torch.tensor([0, 12]),
+                             block_table=torch.tensor([[4, 9]]))  # fmt: skip
+        tier.begin([(0, 4, np.array([5, 0, 9]))])
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(12, 4, D, generator=g).to(device)
+        out = torch.zeros(12, 4, D, device=device)
+        tier.observe(q, kv[0], md, 0.3, out)
+        torch.cuda.synchronize()
+        runs[device] = ([k.cpu() for k in kv], out.cpu())
+    assert all(torch.equal(a, b) for a, b in zip(runs["cpu"][0], runs["cuda"][0]))
+    assert torch.allclose(runs["cpu"][1], runs["cuda"][1], atol=1e-4)

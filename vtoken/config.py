@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -72,13 +73,18 @@ class VTokenConfig(BaseModel):
     )
     park_tokens: int | Literal["auto"] = Field(
         "auto",
-        description="tokens of the parking tier, outside the KV pool: what a prefill chunk boundary drops waits "
-        "there, and the tokens kept when the prompt has been read are chosen among live and parked ones by the "
-        "prompt's last window (the question); attention policies (h2o, scissorhands, snapkv). auto (the "
-        "default): twice the tokens the KV pool holds where the pool is host memory (CPU); on a GPU no tier, "
-        "since it would take device memory that vLLM's pool sizing does not count (set a count there and lower "
-        "gpu_memory_utilization to match). 0: no tier, what a boundary drops is lost; a full tier loses "
-        "what does not fit",
+        description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "
+        "drops waits there, the prompt's last chunk attends the live and the parked tokens, and the tokens kept are "
+        "chosen among both by its window (the question); attention policies (h2o, scissorhands, snapkv). auto (the "
+        "default): on a CPU twice the tokens the KV pool holds; on a GPU pinned host memory, park_host_memory of "
+        "the machine's memory (shared by its tensor-parallel ranks), at most four times the pool's tokens. 0: no "
+        "tier, what a boundary drops is lost; a full tier loses what does not fit",
+    )
+    park_host_memory: float = Field(
+        0.25,
+        gt=0,
+        le=0.9,
+        description="park_tokens auto on a GPU: the share of the host's memory the parking tier may pin",
     )
 
     @field_validator("park_tokens")
@@ -88,12 +94,18 @@ class VTokenConfig(BaseModel):
             raise ValueError(f"park_tokens must be 'auto' or >= 0, got {v}")
         return v
 
-    def tier_tokens(self, pool_tokens: int, device: str) -> int:
+    def tier_tokens(self, pool_tokens: int, device: str, token_bytes: int = 0, ranks: int = 1) -> int:
         """The parking tier's size for a KV pool of ``pool_tokens`` tokens on ``device`` ("cpu", "cuda"; 0: no
-        tier). The scheduler and the worker both call this, so they agree."""
+        tier); ``token_bytes``: one token's KV on one rank (every layer), ``ranks``: tensor-parallel ranks on this
+        host. The scheduler and the worker both call this with the same figures, so they agree."""
         if self.park_tokens != "auto":
             return int(self.park_tokens)
-        return 2 * pool_tokens if device == "cpu" else 0
+        if device == "cpu":
+            return 2 * pool_tokens
+        if token_bytes <= 0:
+            return 0
+        host = int(host_memory_bytes() * self.park_host_memory) // (token_bytes * max(ranks, 1))
+        return min(host, 4 * pool_tokens)
 
     prefill_chunk: int | None = Field(
         None,
@@ -172,6 +184,19 @@ class VTokenConfig(BaseModel):
 
     def model_post_init(self, _ctx: Any) -> None:
         self.make_policy()  # validate the policy parameters now, in the user's process
+
+
+def host_memory_bytes() -> int:
+    """The memory this process may use on its host: the machine's, or its container's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = open(limit).read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+    return total
 
 
 class RequestConfigs:

@@ -1,22 +1,28 @@
-"""KVTier: the worker's half of parking (vtoken/park.py): the parked tokens' K and V outside vLLM's pool, their
-per-slot statistics, and the joint scoring of a last chunk's window over live and parked keys. No vLLM.
+"""KVTier: the worker's half of parking (vtoken/park.py): the parked tokens' K and V outside vLLM's pool, in host
+memory, their per-slot statistics, and the prompt's last chunk attending live and parked keys together. No vLLM.
 
 Storage is token-major whatever the pool's layout: per layer ``[capacity, kv_heads, 2 * head_size]`` (K then V),
-plus one ``[capacity]`` tensor per statistic that travels with tokens (``AttentionScorer.extra_tensors``). A
-token is copied between the pool and the tier through the pool layout's element positions
-(``TableLayout.positions``; a view layout is turned into its table), so every layout vToken moves, it parks.
+plus one ``[capacity]`` tensor per statistic that travels with tokens (``AttentionScorer.extra_tensors``), in host
+memory (pinned when the pool is on a GPU). A token is copied between the pool and the tier through the pool
+layout's element positions (``TableLayout.positions``; a view layout is turned into its table), so every layout
+vToken moves, it parks.
 
-Order within a step: ``fetch`` the restored tokens out of the tier, ``park`` (pool -> tier), the step's compaction
-moves, then ``restore`` (the fetched tokens -> pool). Parked tokens leave slots the packing then fills, restored
-tokens land in slots the packing emptied, and a tier slot one request leaves may be taken by another's parking in
-the same step: reading every source first and writing every destination after keeps each byte right.
+Order within a step (vtoken/worker_step.py): ``fetch`` the restored tokens out of the tier, ``park`` (pool -> tier),
+the step's compaction moves, then ``restore`` (the fetched tokens -> pool). Parked tokens leave slots the packing
+then fills, restored tokens land in slots the packing emptied, and a tier slot one request leaves may be taken by
+another's parking in the same step: reading every source first and writing every destination after keeps each byte
+right. On a GPU the pool is read on the compute stream (before the mover's stream may write it) and the copies
+to and from host memory run on a side stream: a park lands in the tier before the tier is next read, a restore
+waits for its fetch's copy.
 
-Joint window (``begin``/``observe``/``end``): for a request whose last prefill chunk runs with parked tokens, the
-chunk's last ``n_q`` queries are scored over its live keys (causal) and all its parked keys (all earlier) in ONE
-softmax per layer, head and query; the same two statistics as vtoken/scores.py (``attn_sum``: the weights
-summed over layers, heads and queries; ``attn_hist``: one bit per query, share above uniform), but from this
-window alone. They replace the live slots' statistics and fill the parked ones, so the choice among live and
-parked tokens, and decoding after it, start from the question's attention (as decode-only eviction's do).
+The last chunk (``begin``/``observe``/``end``): for a request whose last prefill chunk runs with parked tokens, every
+query of the chunk attends its live keys (causal) and all its parked keys (all earlier) in ONE softmax per layer
+and head: the layer's output rows of that chunk are rewritten with it (``joint_attention``; the parked keys stream
+in slices, from host memory on a GPU), so the next layer, the chunk's own K and V above the first layer, and the
+first answer token see the whole prompt. Its last ``n_q`` queries (the window) give the same two statistics as
+vtoken/scores.py (``attn_sum``: the weights summed over layers, heads and queries; ``attn_hist``: one bit per
+query, share above uniform), from this window alone. They replace the live slots' statistics and fill the parked
+ones, so the choice among live and parked tokens, and decoding after it, start from the question's attention.
 """
 
 from __future__ import annotations
@@ -52,14 +58,23 @@ class KVTier:
                                                                                     head_size))  # fmt: skip
         self.table = table
         heads = kv_caches[0].shape[1]
-        # Uninitialised: a slot is read only after a token was parked into it, and untouched host pages of a tier
+        self.device = kv_caches[0].device
+        self.cuda = self.device.type == "cuda"
+        # Host memory whatever the pool's device (pinned on CUDA, so copies to and from it are asynchronous DMA).
+        # Uninitialised: a slot is read only after a token was parked into it, and untouched host pages of a CPU tier
         # that is rarely full cost no memory.
-        self.kv = [torch.empty(capacity, heads, 2 * head_size, dtype=kv.dtype, device=kv.device) for kv in kv_caches]
-        self.extra = [torch.empty(capacity, dtype=t.dtype, device=t.device) for t in extra]
+        host = {"device": "cpu", "pin_memory": self.cuda}
+        self.kv = [torch.empty(capacity, heads, 2 * head_size, dtype=kv.dtype, **host) for kv in kv_caches]
+        self.extra = [torch.empty(capacity, dtype=t.dtype, **host) for t in extra]
         self._layer = {kv.data_ptr(): i for i, kv in enumerate(kv_caches)}
         self.bytes_moved = 0
         self.attend = True  # the last chunk attends the parked keys (False: only scores them; a negative control)
         self._rows: list[tuple[int, int, np.ndarray]] = []
+        # CUDA: copies run on a side stream. A park lands in the tier once its copy is done (``_pending``, applied
+        # before the tier is next read); a fetch's copy is waited for by the restore that writes it.
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self._fetched: torch.cuda.Event | None = None
 
     def _positions(self, kv: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         s = torch.as_tensor(slots, dtype=torch.long, device=kv.device)
@@ -67,21 +82,51 @@ class KVTier:
 
     # ------------------------------------------------------------------ moves
     def park(self, kv_caches: Sequence[torch.Tensor], extra: Sequence[torch.Tensor], batch: MoveBatch) -> None:
-        """Copy pool slots ``batch.src`` (global) into tier slots ``batch.dst``: before the step's moves."""
+        """Copy pool slots ``batch.src`` (global) into tier slots ``batch.dst``: before the step's moves (the pool
+        is read here, on the current stream, before the mover's stream may write it)."""
         if not len(batch):
             return
         dst = torch.as_tensor(batch.dst, dtype=torch.long)
-        for kv, t in zip(kv_caches, self.kv):
-            t[dst.to(t.device)] = kv.view(-1)[self._positions(kv, batch.src)]
-        src = torch.as_tensor(batch.src, dtype=torch.long)
-        for pool_t, t in zip(extra, self.extra):
-            t[dst.to(t.device)] = pool_t[src.to(pool_t.device)]
+        src = torch.as_tensor(batch.src, dtype=torch.long, device=self.device)
+        got = [kv.view(-1)[self._positions(kv, batch.src)] for kv in kv_caches] + [t[src] for t in extra]
+        self._store([*self.kv, *self.extra][: len(got)], dst, got)
         self.bytes_moved += sum(t[:1].numel() * t.element_size() for t in self.kv) * len(batch)
 
+    def _store(self, tier: list[torch.Tensor], dst: torch.Tensor, got: list[torch.Tensor]) -> None:
+        if not self.cuda:
+            for t, g in zip(tier, got):
+                t[dst] = g
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gathers above
+        with torch.cuda.stream(self.stream):
+            for t, g in zip(tier, got):
+                staged = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+                staged.copy_(g, non_blocking=True)
+                g.record_stream(self.stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._pending.append((t, dst, staged, done))
+
+    def _land(self) -> None:
+        """Parks whose copies have been issued land in the tier (CPU side): before anything reads it."""
+        for t, dst, staged, done in self._pending:
+            done.synchronize()  # long done: a park is read steps later, at the earliest the next step
+            t[dst] = staged
+        self._pending = []
+
     def fetch(self, batch: MoveBatch) -> list[torch.Tensor]:
-        """Tier slots ``batch.src``, copied out (before this step's parking may reuse them)."""
+        """Tier slots ``batch.src``, copied out (before this step's parking may reuse them); on CUDA onto the device,
+        on the side stream (``restore`` waits for it)."""
+        self._land()
         src = torch.as_tensor(batch.src, dtype=torch.long)
-        return [t[src.to(t.device)] for t in [*self.kv, *self.extra]]
+        out = [t[src] for t in [*self.kv, *self.extra]]
+        if not self.cuda or not len(batch):
+            return out
+        with torch.cuda.stream(self.stream):
+            out = [o.pin_memory().to(self.device, non_blocking=True) for o in out]
+            self._fetched = torch.cuda.Event()
+            self._fetched.record(self.stream)
+        return out
 
     def restore(
         self, kv_caches: Sequence[torch.Tensor], extra: Sequence[torch.Tensor], batch: MoveBatch, fetched
@@ -89,16 +134,22 @@ class KVTier:
         """Write ``fetched`` (``fetch(batch)``) into pool slots ``batch.dst`` (global): after the step's moves."""
         if not len(batch):
             return
+        if self.cuda and self._fetched is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._fetched)
+            for got in fetched:
+                got.record_stream(torch.cuda.current_stream(self.device))
         for kv, got in zip(kv_caches, fetched):
             kv.view(-1)[self._positions(kv, batch.dst)] = got
-        dst = torch.as_tensor(batch.dst, dtype=torch.long)
+        dst = torch.as_tensor(batch.dst, dtype=torch.long, device=self.device)
         for pool_t, got in zip(extra, fetched[len(self.kv) :]):
-            pool_t[dst.to(pool_t.device)] = got
+            pool_t[dst] = got
         self.bytes_moved += sum(t[:1].numel() * t.element_size() for t in self.kv) * len(batch)
 
     # ------------------------------------------------------------------ the joint window
     def begin(self, rows: list[tuple[int, int, np.ndarray]]) -> None:
         """This step's last chunks with parked tokens: (batch row, its window's queries, its tier slots)."""
+        if rows:
+            self._land()
         self._rows = rows
         self._w: dict[int, torch.Tensor] = {}
         self._where: dict[int, tuple[np.ndarray, int]] = {}
@@ -136,7 +187,8 @@ class KVTier:
         step = max(self.MIN_SLICE, self.SLICE_BYTES // max(4 * queries * heads, 1))
         idx = torch.as_tensor(tier_slots, dtype=torch.long)
         for i in range(0, idx.numel(), step):
-            yield self.kv[layer][idx[i : i + step].to(self.kv[layer].device)].to(device, non_blocking=True)
+            part = self.kv[layer][idx[i : i + step]]
+            yield part.pin_memory().to(device, non_blocking=True) if self.cuda else part
 
     def end(self, scorer) -> None:
         """The windows' statistics replace the live slots' (in ``scorer``'s per-slot tensors) and fill the
@@ -163,7 +215,7 @@ class KVTier:
             for name, pool_t, tier_t in zip((ATTN_SUM, ATTN_HIST), scorer.extra_tensors, self.extra):
                 value = acc if name == ATTN_SUM else hist
                 pool_t[live.to(pool_t.device)] = value[:seq].to(pool_t.dtype).to(pool_t.device)
-                tier_t[tier.to(tier_t.device)] = value[seq:].to(tier_t.dtype).to(tier_t.device)
+                tier_t[tier] = value[seq:].to(tier_t.dtype).cpu()
         self._rows = []
 
     def export(self, tier_slots: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -226,3 +226,14 @@ def pool_report(llm) -> PoolReport:
 
 async def pool_report_async(async_llm) -> PoolReport:
     return PoolReport.from_wire(await async_llm.engine_core.call_utility_async("vtoken_pool_report"))
+
+
+def tier_tokens(cfg: VTokenConfig, vllm_config, kv_cache_config, device: str) -> int:
+    """The parking tier's size (VTokenConfig.tier_tokens) from what vLLM decided for the KV cache: the scheduler and
+    every worker call this with the same configs, so they agree. One token's KV on a rank is every layer's page of
+    a block (vllm/v1/kv_cache_interface.py KVCacheSpec.page_size_bytes) over the block's tokens."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    token_bytes = spec.page_size_bytes * len(group.layer_names) // spec.block_size
+    pool = kv_cache_config.num_blocks * spec.block_size
+    return cfg.tier_tokens(pool, device, token_bytes, vllm_config.parallel_config.tensor_parallel_size)

@@ -20,6 +20,7 @@ from vtoken.tier import KVTier
 from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
+from vtoken.vllm_adapter.engine import tier_tokens
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.tp import TensorParallel
 from vtoken.worker_step import apply_kv_step
@@ -58,8 +59,7 @@ class VTokenRunnerMixin:
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
             self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
-            # as the scheduler's TierSlots
-            park = self.vt.tier_tokens(int(self.kv_caches[0].shape[0]) * bs, self.device.type)
+            park = tier_tokens(self.vt, self.vllm_config, kv_cache_config, self.device.type)  # = the scheduler's
             if park:
                 self.vt_tier = KVTier(park, self.kv_caches, layout, bs, spec.head_size, self.vt_scorer.extra_tensors,
                                       self.vt_tp)  # fmt: skip

@@ -30,6 +30,7 @@ from vtoken.compactor import Compactor, Progress, StepPlan
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
 from vtoken.park import TierSlots
 from vtoken.pool_report import PoolReport
+from vtoken.vllm_adapter.engine import tier_tokens
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class VTokenScheduler(Scheduler):
         self.vt_bs = self.vt_manager.block_size
         # vllm/v1/core/single_type_kv_cache_manager.py: req_to_blocks[rid] is the request's block list.
         device = vllm_config.device_config.device_type  # the worker sizes its tier alike
-        park = self.vt.tier_tokens(self.vt_pool.num_gpu_blocks * self.vt_bs, device)
+        park = tier_tokens(self.vt, vllm_config, kv_cache_config, device)
         tier = TierSlots(park) if park else None
         self.vt_core = Compactor(
             self.vt.mode,
