@@ -117,8 +117,10 @@ class Dispatcher:
         v = req.eviction.config if req.eviction else None
         evicting = v is not None and v.enabled
         # What the request will hold at most: the compactor's own rule (vtoken/budget.py), for its own options.
-        bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict) if evicting else ()
-        need = peak_blocks(len(req.prompt_token_ids), req.max_tokens, self.cfg.engine.block_size, *bounded)
+        bs = self.cfg.engine.block_size
+        bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict, bs if v.interval == "block" else
+                   v.interval) if evicting else ()  # fmt: skip
+        need = peak_blocks(len(req.prompt_token_ids), req.max_tokens, bs, *bounded)
         spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
         tried: list[str] = []
         for _ in range(self.g.max_attempts):

@@ -122,3 +122,56 @@ def test_without_tracing_nothing_is_kept_for_a_preempted_request():
     sim.step({"r": 8})
     sim.preempt("r")
     assert sim.core.traces is None and sim.finish("r") is None
+
+
+def test_decisions_come_in_block_sized_batches_and_hold_at_most_a_block_more():
+    """interval 0 (one block, the engine's default): a decoding request lets its live tokens grow to what it keeps
+    plus a block, then evicts back at once: never more than keep + a block - 1 before a forward, decisions once per
+    block of excess, and the forward bound (which counts the slack) holds at every forward."""
+    sim = KVSim(num_blocks=128, block_size=BS)
+    policy = make_policy("random", budget=0.25, sink=0, recent=0, interval=0)
+    sim.add("r", prompt=40, policy=policy)
+    sim.step({"r": 40})
+    st = sim.core.states["r"]
+    decisions = 0
+    for _ in range(60):
+        died_before = len(st.record.died_pos)
+        sim.step({"r": 1})
+        decisions += len(st.record.died_pos) > died_before
+        assert st.table.num_live - st.keep(st.table.num_logical) <= BS, "more than a block above what it keeps"
+    sim.check()
+    assert st.record.over_bound <= 0
+    # 60 steps at 25%: the excess grows by 3/4 a token a step, a decision per 4 tokens of excess: about 11
+    assert 9 <= decisions <= 13, decisions
+    exact = KVSim(num_blocks=128, block_size=BS)
+    exact.add("r", prompt=40, policy=make_policy("random", budget=0.25, sink=0, recent=0, interval=1))
+    exact.step({"r": 40})
+    for _ in range(60):
+        exact.step({"r": 1})
+    assert len(exact.core.states["r"].record.died_pos) > 2 * decisions  # interval 1: nearly every step
+
+
+def test_an_on_demand_policy_records_every_decode_query_and_scores_its_window_only_before_a_decision():
+    sim = KVSim(num_blocks=128, block_size=BS)
+    sim.add("r", prompt=16, policy=make_policy("snapkv", budget=0.25, sink=0, recent=0, interval=0),
+            prefill_evict=False)  # fmt: skip
+    asks, scheduled = [], sim.core.scheduled
+
+    def spy(rid, new_tokens, num_computed_after, num_output):
+        ask = scheduled(rid, new_tokens, num_computed_after, num_output)
+        asks.append(ask)
+        if ask is not None and ask.window:  # the worker's window scores, after the forward
+            n = sim.core.states["r"].table.physical_len + new_tokens
+            sim.core.receive_stats("r", {"attn_sum": np.random.default_rng(len(asks)).random(n)})
+        return ask
+
+    sim.core.scheduled = spy
+    sim.step({"r": 16})
+    for _ in range(30):
+        sim.step({"r": 1})
+    sim.check()
+    decode = asks[1:]
+    assert all(a is not None and a.record and a.queries == 0 and not a.export for a in decode)  # no per-step scorer
+    windows = [i for i, a in enumerate(decode) if a.window]
+    died = sorted(set(np.concatenate(sim.core.states["r"].record.died_forward).tolist()))
+    assert windows and [w + 2 for w in windows] == died  # each decision follows a window scored just before it

@@ -90,7 +90,7 @@ def test_streaming_keeps_sinks_and_newest():
     [
         ({"budget": 0}, "budget"),
         ({"budget": 2.5}, "whole"),
-        ({"interval": 0}, "interval"),
+        ({"interval": -1}, "interval"),
         ({"score_every": 0}, "score_every"),
         ({"sink": -1}, "sink"),
         ({"bogus": 1}, "no parameter"),
@@ -103,7 +103,7 @@ def test_bad_parameters_raise_clear_errors(kwargs, match):
 
 def test_score_every_is_for_attention_policies_only():
     assert make_policy("scissorhands", score_every=4).score_every == 4
-    with pytest.raises(ValueError, match="score_every applies only to attention policies"):
+    with pytest.raises(ValueError, match="score_every applies only to per-step attention policies"):
         make_policy("streaming", score_every=2)
 
 

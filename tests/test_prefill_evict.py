@@ -80,13 +80,18 @@ LONG = dict(n=2, lengths=(300, 330), max_tokens=24)  # 10 and 11 chunks
 
 
 def bound(t: dict, cfg: dict) -> list[int]:
-    """ceil((keep + new) / block_size) + 1 for every forward of the trace, keep at the length read before it."""
-    news = list(t["prefill_chunks"]) + [1] * (len(t["output_token_ids"]) - 1)
+    """ceil((keep + slack + new) / block_size) + 1 for every forward of the trace, keep at the length read before
+    it; slack 0 for a prefill chunk (every boundary evicts), interval - 1 for a decode step (a block less one by
+    default: decisions come once per block)."""
+    chunks = list(t["prefill_chunks"])
+    news = chunks + [1] * (len(t["output_token_ids"]) - 1)
+    interval = cfg.get("interval", 32)
     out, read = [], 0
-    for new in news:
+    for i, new in enumerate(news):
         target = max(1, math.ceil(cfg["budget"] * read)) if read else 1
         keep = max(target, min(read, cfg["sink"] + cfg["recent"]))
-        out.append(math.ceil((keep + new) / 32) + 1)
+        slack = 0 if i < len(chunks) else interval - 1
+        out.append(math.ceil((keep + slack + new) / 32) + 1)
         read += new
     return out
 

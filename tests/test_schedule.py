@@ -19,33 +19,43 @@ def test_step_at_chunk_boundaries_the_last_one_and_decode_steps():
     assert off.step_at(40, P, 0) is None and off.step_at(P, P, 1) == 1
 
 
-def test_decision_step_follows_the_interval_except_at_boundaries_and_sheds():
-    s = Schedule(prefill_evict=True, interval=3)
-    assert [s.decision_step(P + k - 1, P, k) for k in range(2, 8)] == [None, 3, None, None, 6, None]
-    assert s.decision_step(40, P, 0) == 0 and s.decision_step(P, P, 1) == 0  # boundaries ignore the interval
-    assert s.decision_step(P + 4, P, 5, shed=True) == 0  # the pool is short now: step 0
-    assert s.decision_step(0, P, 0, shed=True) is None  # ... but never before anything was read
-    off = Schedule(prefill_evict=False, interval=3)
-    assert off.decision_step(40, P, 0, shed=True) is None  # no eviction while reading without prefill_evict
+def test_a_decoding_request_decides_once_it_holds_the_slack_above_what_it_keeps():
+    s = Schedule(prefill_evict=True, slack=3)
+    got = [s.decision_step(P + k - 1, P, k, excess=e) for k, e in zip(range(2, 7), (1, 2, 3, 4, 0))]
+    assert got == [None, None, 4, 5, None]
+    assert s.decision_step(40, P, 0, excess=0) == 0 and s.decision_step(P, P, 1, excess=0) == 0  # boundaries: always
+    assert s.decision_step(P + 4, P, 5, excess=0, shed=True) == 0  # the pool is short now: step 0
+    assert s.decision_step(0, P, 0, excess=9, shed=True) is None  # ... but never before anything was read
+    off = Schedule(prefill_evict=False, slack=3)
+    assert off.decision_step(40, P, 0, excess=9, shed=True) is None  # no eviction while reading without prefill_evict
+    assert off.decision_step(P, P, 1, excess=3) == 1 and off.decision_step(P, P, 1, excess=2) is None
+    assert s.decides_after(3) and not s.decides_after(2)
+    exact = Schedule(slack=1)
+    assert exact.decision_step(P + 5, P, 6, excess=1) == 6 and exact.decision_step(P + 5, P, 6, excess=0) is None
 
 
 def test_chunk_queries_only_where_the_boundary_after_the_chunk_may_evict():
     s = Schedule(prefill_evict=True, scores=True, window=32)
-    assert s.chunk_queries(64, 64, P, 0, over=True) == 32
-    assert s.chunk_queries(16, 80, P, 0, over=True) == 16  # a chunk shorter than the window
-    assert s.chunk_queries(64, 64, P, 0, over=False) == 0  # under its budget after the chunk: nothing to score
-    assert Schedule(prefill_evict=True, scores=True, eager=True).chunk_queries(64, 64, P, 0, over=False) == 32
-    assert Schedule(prefill_evict=True, scores=False).chunk_queries(64, 64, P, 0, over=True) == 0
-    assert Schedule(prefill_evict=False, scores=True).chunk_queries(64, 64, P, 0, over=True) == 0
+    assert s.chunk_queries(64, 64, P, over=True) == 32
+    assert s.chunk_queries(16, 80, P, over=True) == 16  # a chunk shorter than the window
+    assert s.chunk_queries(64, 64, P, over=False) == 0  # under its budget after the chunk: nothing to score
+    assert Schedule(prefill_evict=True, scores=True, eager=True).chunk_queries(64, 64, P, over=False) == 32
+    assert Schedule(prefill_evict=True, scores=False).chunk_queries(64, 64, P, over=True) == 0
+    assert Schedule(prefill_evict=False, scores=True).chunk_queries(64, 64, P, over=True) == 0
 
 
-def test_decode_ask_observes_one_step_in_score_every_and_exports_before_a_decision():
-    s = Schedule(scores=True, score_every=2, interval=4)
-    asks = [s.decode_ask(k) for k in range(1, 9)]
-    assert asks == [(False, False), (True, False), (False, False), (True, True)] * 2
-    eager = Schedule(scores=True, score_every=1, interval=4, eager=True)
-    assert all(eager.decode_ask(k) == (True, True) for k in range(1, 9))
-    assert Schedule(scores=False).decode_ask(4) == (False, False)
+def test_decode_ask_per_step_observes_one_step_in_score_every_and_exports_before_a_decision():
+    s = Schedule(scores=True, score_every=2)
+    got = [s.decode_ask(k, decides=k % 4 == 0) for k in range(1, 5)]
+    assert got == [(False, False, False), (True, False, False), (False, False, False), (True, True, False)]
+    assert s.decode_ask(3, decides=True) == (False, False, False)  # not observed: the decision waits for one
+    assert Schedule(scores=False).decode_ask(4, True) == (False, False, False)
+
+
+def test_decode_ask_on_demand_observes_nothing_and_scores_the_window_before_a_decision():
+    s = Schedule(scores=True, on_demand=True)
+    assert all(s.decode_ask(k, decides=False) == (False, False, False) for k in range(1, 9))
+    assert s.decode_ask(9, decides=True) == (False, False, True)
 
 
 def test_parking_stops_short_scores_jointly_and_chooses_one_token_before_the_end():
@@ -59,9 +69,10 @@ def test_parking_stops_short_scores_jointly_and_chooses_one_token_before_the_end
     assert not s.chooses(False, P - 1, P)
 
 
-@pytest.mark.parametrize("name", ["h2o", "random"])
+@pytest.mark.parametrize("name", ["h2o", "random", "snapkv"])
 def test_of_takes_the_policys_timing_parameters(name):
     kw = {"score_every": 3} if name == "h2o" else {}
     s = Schedule.of(make_policy(name, interval=5, **kw), prefill_evict=False, window=8, eager=True)
-    assert (s.interval, s.score_every, s.scores, s.window, s.eager, s.prefill_evict) == (
-        5, 3 if name == "h2o" else 1, name == "h2o", 8, True, False)  # fmt: skip
+    got = (s.slack, s.score_every, s.scores, s.window, s.eager, s.prefill_evict, s.on_demand)
+    assert got == (5, 3 if name == "h2o" else 1, name != "random", 8, True, False, name == "snapkv")
+    assert Schedule.of(make_policy(name, interval=0), block_size=32).slack == 32  # 0: one KV block

@@ -196,7 +196,7 @@ def test_score_every_evicts_only_after_observed_steps_and_stays_exact():
     """h2o with score_every=4 (the opt-in cheaper scoring): decode steps 4, 8, ... are observed, so decode-time
     evictions come at those steps only; outputs still equal the masked reference, naive makes the same
     decisions, and they differ from exact h2o's."""
-    cfg = {"policy": "h2o", **EVICT, "policy_params": {"score_every": 4}}
+    cfg = {"policy": "h2o", **EVICT, "interval": 1, "policy_params": {"score_every": 4}}
     vt, nv = engine({"mode": "vtoken", **cfg}), engine({"mode": "naive", **cfg})
     steps = np.concatenate([t["evicted_at_step"] for t in vt.trace])
     decode = set(steps[steps > 1].tolist())  # 0: between prefill chunks; 1: the boundary after the last one
@@ -204,7 +204,7 @@ def test_score_every_evicts_only_after_observed_steps_and_stays_exact():
     check_exact(vt)
     assert vt.tokens == nv.tokens
     assert [t["evicted_positions"] for t in vt.trace] == [t["evicted_positions"] for t in nv.trace]
-    exact = engine({"mode": "vtoken", "policy": "h2o", **EVICT})
+    exact = engine({"mode": "vtoken", "policy": "h2o", **EVICT, "interval": 1})
     assert [t["evicted_positions"] for t in vt.trace] != [t["evicted_positions"] for t in exact.trace]
 
 
@@ -247,10 +247,11 @@ def test_under_kv_pressure_vtoken_preempts_least_and_everything_is_freed():
 
 
 def test_the_block_wise_scorer_makes_the_per_slot_scorers_decisions():
-    """Decode-only eviction (as before prefill eviction existed): h2o's and scissorhands' traces equal the ones
-    the earlier per-slot scorer produced on the same requests (tests/data, recorded with commit c83fb8e)."""
+    """Decode-only eviction at every decode step (as before prefill eviction and batched decisions existed): h2o's
+    and scissorhands' traces equal the ones the earlier per-slot scorer produced on the same requests (tests/data,
+    recorded with commit c83fb8e)."""
     golden = json.loads((Path(__file__).parent / "data" / "traces_per_slot_scorer.json").read_text())
-    r = engine({"mode": "vtoken", "policy": "h2o", **EVICT, "prefill_evict": False}, options=MIXED)
+    r = engine({"mode": "vtoken", "policy": "h2o", **EVICT, "prefill_evict": False, "interval": 1}, options=MIXED)
     for policy in ("h2o", "scissorhands"):
         for old, new in zip(golden[policy], by_policy(r, policy).trace):
             assert new["prompt_token_ids"] == old["prompt_token_ids"]

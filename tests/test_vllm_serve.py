@@ -76,7 +76,8 @@ def test_stock_vllm_openai_server_with_vtoken_switched_in_evicts_and_frees_block
     assert len(line["prompt_token_ids"]) == n_prompt and len(line["output_token_ids"]) == n_out
     evicted = len(line["evicted_positions"])
     total = n_prompt + n_out
-    assert evicted >= total - math.ceil(BUDGET * total) - 1  # the budget held to the end
+    # the budget held to the end, but for the block a decoding request may grow by between two decisions
+    assert evicted >= total - math.ceil(BUDGET * total) - 32
     chunks = line["prefill_chunks"]
     assert len(chunks) > 1 and max(chunks) <= CHUNK  # eviction between prefill chunks, as configured
     blocks = line["blocks_per_forward"]

@@ -16,6 +16,7 @@ class Run:
     stats: dict = field(default_factory=dict)
     trace: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    scorer: dict = field(default_factory=dict)  # the worker's score counts (vtoken_score_counts)
 
 
 def prompts(n: int = 3, lengths=(70, 130, 45), seed: int = 0, vocab: int = 49000) -> list[list[int]]:
@@ -86,8 +87,9 @@ def run(
         lps = [np.array([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
         stats = vtoken_stats(llm) if cfg.get("mode", "vtoken") != "off" else {}
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        scorer = llm.collective_rpc("vtoken_score_counts")[0] if cfg.get("mode", "vtoken") != "off" else {}
         trace = []
         if trace_path is not None and trace_path.exists():
             by_id = {t["request_id"]: t for t in map(json.loads, trace_path.read_text().splitlines())}
             trace = [by_id[o.request_id] for o in outs]  # lines carry the caller's (LLM's) request id
-        return Run(tokens, lps, stats, trace, metrics)
+        return Run(tokens, lps, stats, trace, metrics, scorer)

@@ -32,15 +32,17 @@ def live_tokens(n: int, budget: float | None, sink: int, recent: int) -> int:
     return n if not budget else min(n, kept_tokens(n, budget, sink, recent))
 
 
-def forward_bound(n: int, new: int, block_size: int, budget: float, sink: int, recent: int) -> int:
+def forward_bound(n: int, new: int, block_size: int, budget: float, sink: int, recent: int, slack: int = 0) -> int:
     """Blocks a request may hold during a forward writing ``new`` tokens after ``n`` (vtoken mode's bound, the one
-    ``vtoken_stats`` checks: ``keep(n)`` even where fewer than ``keep(n)`` tokens were read)."""
-    return -(-(kept_tokens(n, budget, sink, recent) + new) // block_size) + 1
+    ``vtoken_stats`` checks: ``keep(n)`` even where fewer than ``keep(n)`` tokens were read). ``slack``: tokens a
+    decoding request may hold above ``keep(n)`` between two decisions (its interval less one; with the default of
+    a block, the bound gains at most one block)."""
+    return -(-(kept_tokens(n, budget, sink, recent) + slack + new) // block_size) + 1
 
 
-def _held(n: int, new: int, block_size: int, budget: float, sink: int, recent: int) -> int:
+def _held(n: int, new: int, block_size: int, budget: float, sink: int, recent: int, slack: int = 0) -> int:
     """The bound with what a request really has at ``n`` tokens read (``live(n)``, never more than ``n``)."""
-    return -(-(live_tokens(n, budget, sink, recent) + new) // block_size) + 1
+    return -(-(min(live_tokens(n, budget, sink, recent) + slack, n) + new) // block_size) + 1
 
 
 def peak_blocks(
@@ -52,13 +54,15 @@ def peak_blocks(
     recent: int = 0,
     chunk: int | None = None,
     prefill_evict: bool = True,
+    interval: int = 1,
 ) -> int:
     """The most blocks a request will hold during any of its forwards: what placement reserves for it.
 
     Without a budget: its whole context, plus the block being filled. With one, the bound of its largest forward:
     with ``prefill_evict`` a prompt read in chunks of ``chunk`` tokens (None: in one forward) keeps to its budget at
     every chunk boundary, so the largest prefill forward holds ``keep(n) + chunk``; without it the whole prompt is
-    held before the first eviction. Decode forwards write one token each on top of ``keep(n)``. O(prompt / chunk).
+    held before the first eviction. Decode forwards write one token each on top of ``keep(n)`` and the ``interval - 1``
+    tokens a decoding request may hold above it between two decisions. O(prompt / chunk).
     """
     if not budget:
         return max(1, -(-(prompt + max_tokens) // block_size) + 1)
@@ -70,5 +74,5 @@ def peak_blocks(
     else:  # the whole prompt, and the first decode forward's token before the first eviction
         peak = -(-(prompt + (max_tokens > 1)) // block_size) + 1
     if max_tokens > 1:  # decode forwards read n = prompt .. prompt + max_tokens - 2; keep(n) grows with n
-        peak = max(peak, _held(prompt + max_tokens - 2, 1, block_size, budget, sink, recent))
+        peak = max(peak, _held(prompt + max_tokens - 2, 1, block_size, budget, sink, recent, interval - 1))
     return peak

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vtoken.budget import forward_bound
 from vtoken.move_batch import MoveBatch
 from vtoken.park import TierSlots
 from vtoken.phase import Phase, check_phase
@@ -72,9 +73,11 @@ class Progress(NamedTuple):
 class ScoreAsk(NamedTuple):
     """What the worker computes for one request in this step's forward."""
 
-    queries: int  # how many of the forward's last queries to score (1 for a decode step)
+    queries: int  # how many of the forward's last queries to score (1 for a decode step; 0: none)
     export: tuple[str, ...]  # statistics to send back after the forward (empty: keep accumulating)
     parked: np.ndarray | None = None  # tier slots scored with the live keys in one softmax (the last chunk)
+    record: bool = False  # keep this decode step's query in the request's window (on-demand policies)
+    window: tuple[str, ...] = ()  # score the window of recent queries after the forward, and send these back
 
 
 class StepPlan(NamedTuple):
@@ -165,7 +168,7 @@ class Compactor:
     ) -> RequestState:
         if request_id in self.states:
             raise CompactorError(f"request {request_id} added twice")
-        schedule = Schedule.of(policy, prefill_evict, window, eager=pressure)
+        schedule = Schedule.of(policy, prefill_evict, window, eager=pressure, block_size=self.bs)
         phase = Phase.KEEPING if pressure else Phase.READING  # "always": keeps to its budget from the start
         st = RequestState(
             request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule, phase
@@ -239,9 +242,41 @@ class Compactor:
             st.ballast = []
 
     def receive_stats(self, request_id: str, stats: dict[str, np.ndarray]) -> None:
+        """Statistics per physical slot from the forward just run: the next decision's, once. Pressure mode also
+        keeps them by logical token (``known``), for a shed that comes before the next statistics do."""
         st = self.states.get(request_id)
-        if st is not None:
-            st.stats = stats
+        if st is None:
+            return
+        st.stats = stats
+        if st.schedule.eager:
+            live = st.table.live_logical()
+            slots = st.table.slot_of[live]
+            known = st.known or {}
+            for name, values in stats.items():
+                if name.startswith("parked:") or values.size < st.table.physical_len:
+                    continue
+                column = known.get(name)
+                if column is None or column.size < st.table.num_logical:
+                    grown = np.full(st.table.num_logical, np.inf)
+                    if column is not None:
+                        grown[: column.size] = column
+                    column = grown
+                column[live] = values[slots]
+                known[name] = column
+            st.known = known
+
+    def _known(self, st: RequestState) -> dict[str, np.ndarray]:
+        """The latest statistics of a request's live tokens, per physical slot; tokens none covered rank as the
+        most worth keeping (the newest ones, mostly)."""
+        live = st.table.live_logical()
+        slots = st.table.slot_of[live]
+        out = {}
+        for name, column in st.known.items():
+            values = np.full(st.table.physical_len, np.inf)
+            inside = live < column.size
+            values[slots[inside]] = column[live[inside]]
+            out[name] = values
+        return out
 
     # ---------------------------------------------------------------- what the engine's glue asks
     def tracks(self, request_id: str) -> bool:
@@ -294,8 +329,11 @@ class Compactor:
         self.totals.peak_running = max(self.totals.peak_running, running)
         self.totals.compaction_seconds += seconds
 
-    def note_worker(self, move_seconds: float, bytes_moved: int, tokens_moved: int = 0) -> None:
+    def note_worker(
+        self, move_seconds: float, bytes_moved: int, tokens_moved: int = 0, score_seconds: float = 0.0
+    ) -> None:
         """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
+        self.totals.score_seconds += score_seconds
         self.totals.move_seconds += move_seconds
         self.totals.bytes_moved += bytes_moved
         self.totals.tokens_moved += tokens_moved
@@ -389,11 +427,13 @@ class Compactor:
         found = []
         for p, st in todo:
             stats = fresh[st.request_id]
-            if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None):
+            if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
                 continue
-            step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, shed=True)
+            step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
             if step is None:
                 continue
+            if stats is None and st.policy.needs:
+                stats = self._known(st)  # the latest statistics it was sent, for the tokens they cover
             ranked = st.policy.ranked(self._input(st, step, stats))
             most = min(st.table.num_live - st.keep(st.table.num_logical), ranked.size)
             if most <= 0:
@@ -430,7 +470,8 @@ class Compactor:
             self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
 
     def _decide(self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None) -> np.ndarray:
-        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, num_output)
+        excess = st.table.num_live - st.keep(st.table.num_logical)
+        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, num_output, excess)
         if step is None or (st.policy.needs and stats is None):
             return np.empty(0, dtype=np.int64)
         return st.policy.select(self._input(st, step, stats))
@@ -595,24 +636,32 @@ class Compactor:
         live = table.num_live
         held = len(self.blocks_of(request_id)) + len(st.ballast)
         naive = table.naive_blocks(new_tokens)
-        bound = -(-(st.keep(before) + new_tokens) // self.bs) + 1
+        p, sched = st.policy, st.schedule
+        slack = 0 if prefill else sched.slack - 1  # a decoding request holds up to slack - 1 tokens above its keep
+        bound = forward_bound(before, new_tokens, self.bs, p.budget, p.sink, p.recent, slack)
         st.record.forward(new_tokens, prefill, held, naive, -(-(live + new_tokens) // self.bs), bound)
-        policy, sched = st.policy, st.schedule
-        if not policy.needs:
+        if not p.needs:
             return None
-        if not prefill:  # decode: accumulate every observed step, send back when the next step may evict
-            observe, export = sched.decode_ask(num_output + 1)  # the decode step this forward completes
-            return ScoreAsk(1, policy.needs if export else ()) if observe else None
-        over = live + new_tokens > policy.target(num_computed_after)
-        queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, num_output, over)
+        if not prefill:  # decode
+            excess = live + new_tokens - st.keep(num_computed_after)
+            decides = st.phase is Phase.DECODING and sched.decides_after(excess)
+            observe, export, window = sched.decode_ask(num_output + 1, decides)  # the step this forward completes
+            if st.phase is Phase.KEEPING and observe:
+                export = True  # pressure mode, per-step statistics: a shed may come at any step
+            record = sched.on_demand and st.phase is Phase.DECODING
+            if not (observe or record):
+                return None
+            return ScoreAsk(int(observe), p.needs if export else (), record=record, window=p.needs if window else ())
+        over = live + new_tokens > p.target(num_computed_after)
+        queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, over)
         if sched.scores_jointly(st.parked.size > 0, num_computed_after, st.prefill_len):
             # All but the prompt's last token: the question. Every query of this chunk attends the live and the
             # parked keys in one softmax, so its hidden states, its window's scores (which choose the survivors)
             # and the first answer token see the whole prompt; the choice follows, and the last token's forward,
             # which samples, sees the survivors.
             st.record.saw_parked(st.parked.logical)
-            return ScoreAsk(min(st.window, new_tokens), policy.needs, st.parked.tier.copy())
-        return ScoreAsk(queries, policy.needs) if queries else None
+            return ScoreAsk(min(st.window, new_tokens), p.needs, st.parked.tier.copy())
+        return ScoreAsk(queries, p.needs) if queries else None
 
     # ---------------------------------------------------------------- observability
     def pool_totals(self) -> tuple[int, int, int]:

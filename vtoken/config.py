@@ -42,7 +42,13 @@ class VTokenConfig(BaseModel):
     budget: float = Field(
         0.5, allow_inf_nan=False, description="live tokens kept per request: a ratio (< 1) of the context, or a count"
     )
-    interval: int = Field(1, ge=1, description="evict every N decode steps")
+    interval: int | Literal["block"] = Field(
+        "block",
+        description="while decoding, a request decides (and compacts) once it holds this many tokens more than its "
+        "budget keeps, then evicts back to it at once: 1 decides at every decode step; block (the default) once per "
+        "KV block, so decisions and compactions come about once per block and a request holds at most one block "
+        "more than its budget",
+    )
     sink: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     recent: int = Field(16, ge=0, description="most recent tokens never evicted")
     seed: int = Field(0, description="seed for randomised policies")
@@ -60,6 +66,13 @@ class VTokenConfig(BaseModel):
         ge=1,
         description="h2o/scissorhands with prefill_evict: queries at the end of each prefill chunk whose "
         "attention seeds the statistics (SnapKV's observation window)",
+    )
+    decode_window: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="snapkv while decoding: the request's last queries kept (per layer, on the device) and scored "
+        "once over its live keys just before a decision (SnapKV's observation window over decode queries)",
     )
     evict: Literal["always", "pressure"] = Field(
         "always",
@@ -86,6 +99,13 @@ class VTokenConfig(BaseModel):
         le=0.9,
         description="park_tokens auto on a GPU: the share of the host's memory the parking tier may pin",
     )
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, v: int | str) -> int | str:
+        if v != "block" and v < 1:
+            raise ValueError(f"interval must be 'block' or >= 1, got {v}")
+        return v
 
     @field_validator("park_tokens")
     @classmethod
@@ -146,7 +166,7 @@ class VTokenConfig(BaseModel):
         return make_policy(
             self.policy,
             budget=self.budget,
-            interval=self.interval,
+            interval=0 if self.interval == "block" else self.interval,
             sink=self.sink,
             recent=self.recent,
             seed=self.seed,

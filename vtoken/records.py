@@ -156,6 +156,7 @@ class EngineTotals:
 
     compaction_seconds: float = 0.0
     move_seconds: float = 0.0
+    score_seconds: float = 0.0  # the worker's scoring (attention statistics), host time
     bytes_moved: int = 0
     tokens_moved: int = 0
     tokens_evicted: int = 0
@@ -182,6 +183,7 @@ class EngineTotals:
             "live_tokens": live,
             "compaction_seconds": self.compaction_seconds,
             "move_seconds": self.move_seconds,
+            "score_seconds": self.score_seconds,
             "bytes_moved": self.bytes_moved,
             "tokens_moved": self.tokens_moved,
             "tokens_evicted": self.tokens_evicted,

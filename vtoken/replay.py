@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vtoken.accounting import block_counts
+from vtoken.budget import kept_tokens
 from vtoken.compactor import kill_and_pack
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import request_seed
@@ -58,7 +59,8 @@ def replay(
     schedule = Schedule.of(policy, prefill_evict=False)  # decode steps only: the prompt was read at once
     for step in range(1, output_len + 1):
         table.append(1)
-        if schedule.decision_step(table.num_logical, prompt_len, step) is None:
+        excess = table.num_live - kept_tokens(table.num_logical, policy.budget, policy.sink, policy.recent)
+        if schedule.decision_step(table.num_logical, prompt_len, step, excess) is None:
             victims = np.empty(0, np.int64)
         else:
             live = table.live_logical()

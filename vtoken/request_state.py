@@ -34,6 +34,7 @@ class RequestState:
     phase: Phase = Phase.READING  # what it does at a decision point (vtoken/phase.py); changed by Compactor._to
     ballast: list = field(default_factory=list)  # naive mode: blocks held as Naive-Evict would
     stats: dict | None = None  # from the last forward that exported them, per physical slot
+    known: dict | None = None  # pressure mode: the latest statistics per logical token (inf: never covered)
     parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
     gap_sent: int = 0
     dirty: bool = False

@@ -8,17 +8,25 @@ A request's forwards are PREFILL chunks until it has read ``prefill_len`` tokens
 which its policy may evict, given the tokens computed so far and the outputs sampled:
 
     chunk boundary              only with ``prefill_evict``; policy step 0
-    the boundary after the last chunk (every chunk boundary evicts whatever the interval)
-    decode step s               every ``interval`` steps (s % interval == 0)
-    a shed (pressure mode)      at any decision point, whatever the interval (the pool is short now); step 0
+    the boundary after the last chunk (every chunk boundary evicts)
+    decode step s               once the request holds ``slack`` tokens more than it keeps (``keep(n)``,
+                                vtoken/budget.py): decisions come in batches, and evict back to ``keep(n)``
+    a shed (pressure mode)      at any decision point, whatever the slack (the pool is short now); step 0
 
-A policy that reads attention statistics decides only with statistics from the forward just run: a decode
-query (one step in ``score_every`` is observed) or a chunk's observation window (its last ``window`` queries),
-which is scored only when the boundary after it may evict. ``eager``: every chunk window and every observed
-decode step is scored and exported, because any step may have to shed tokens (``evict: "pressure"``).
+``slack`` is the policies' ``interval``: 1 decides at every decode step (exact per-step eviction), the default
+(``interval="block"``) a KV block, so a decoding request decides and compacts about once per block instead of once
+per token, and holds at most one block more than it keeps (the bound says so: ``budget.forward_bound``).
+
+A policy that reads attention statistics decides only with statistics from the forward just run: a chunk's
+observation window (its last ``window`` queries), scored only when the boundary after it may evict, and, while
+decoding, either every observed decode query (``per step``: h2o, scissorhands, whose definitions accumulate them;
+one step in ``score_every``), exported before a decision, or (``on_demand``: snapkv) the last queries of the
+request kept in a window the worker fills as it decodes (vtoken/query_window.py) and scores once, just before a
+decision: no per-step scorer at all. ``eager`` (pressure mode): every chunk window is scored, because any chunk
+boundary may shed.
 
 Parking (vtoken/park.py) adds two points, both for a request with parked tokens: the prompt's last chunk stops one
-token short (``stops_short``), so its window (the question) is scored over live and parked keys together
+token short (``stops_short``), so that chunk (the question) attends the live and the parked keys together
 (``scores_jointly``), and the boundary one token before the prompt's end chooses among both (``chooses``).
 """
 
@@ -30,54 +38,70 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Schedule:
     prefill_evict: bool = True
-    interval: int = 1
+    slack: int = 1  # tokens a decoding request holds above what it keeps before it decides (the policy's interval)
     score_every: int = 1
     scores: bool = False  # the policy reads attention statistics
     window: int = 32  # queries of a prefill chunk's observation window
-    eager: bool = False  # pressure mode: score and export at every chance (any step may shed)
+    eager: bool = False  # pressure mode: score every chunk window (any boundary may shed)
+    on_demand: bool = False  # decode statistics from the window of recent queries, scored once before a decision
 
     @classmethod
-    def of(cls, policy, prefill_evict: bool = True, window: int = 32, eager: bool = False) -> Schedule:
-        """The schedule a policy's timing parameters (``interval``, ``score_every``) ask for."""
-        return cls(prefill_evict, policy.interval, policy.score_every, bool(policy.needs), window, eager)
+    def of(
+        cls, policy, prefill_evict: bool = True, window: int = 32, eager: bool = False, block_size: int = 1
+    ) -> Schedule:
+        """The schedule a policy's timing parameters ask for (``interval`` 0: one KV block of ``block_size``)."""
+        slack = policy.interval or block_size
+        on_demand = bool(policy.needs) and policy.window_scores
+        return cls(prefill_evict, slack, policy.score_every, bool(policy.needs), window, eager, on_demand)
 
     def step_at(self, num_logical: int, prefill_len: int, num_output: int) -> int | None:
         """The policy step of the point reached with ``num_logical`` tokens computed (0 at a chunk boundary, the
-        decode step otherwise), or None where no eviction may happen whatever the interval."""
+        decode step otherwise), or None where no eviction may happen at all."""
         if num_logical == 0:
             return None
         if num_logical < prefill_len:
             return 0 if self.prefill_evict else None
         if num_logical == prefill_len and self.prefill_evict:
-            return 0  # the boundary after the last chunk evicts whatever the interval
+            return 0  # the boundary after the last chunk evicts whatever the slack
         return num_output
 
-    def decision_step(self, num_logical: int, prefill_len: int, num_output: int, shed: bool = False) -> int | None:
+    def decision_step(
+        self, num_logical: int, prefill_len: int, num_output: int, excess: int, shed: bool = False
+    ) -> int | None:
         """The policy step of a decision now (``PolicyInput.step``), or None when the request may not evict now.
-        ``shed``: pressure mode sheds at any point where eviction may happen, as step 0."""
+        ``excess``: the live tokens it holds above what it keeps (a decode step decides once they reach the
+        slack). ``shed``: pressure mode sheds at any point where eviction may happen, as step 0."""
         step = self.step_at(num_logical, prefill_len, num_output)
         if step is None:
             return None
         if shed:
             return 0
-        return None if step % self.interval else step
+        if step and excess < self.slack:  # a decode step: decisions in batches
+            return None
+        return step
 
-    def chunk_queries(self, new_tokens: int, after: int, prefill_len: int, num_output: int, over: bool) -> int:
+    def decides_after(self, excess_after: int) -> bool:
+        """Will the point reached after a decode forward be a decision (``excess_after``: the live tokens the request
+        holds above what it keeps then)? Its statistics must come from that forward."""
+        return excess_after >= self.slack
+
+    def chunk_queries(self, new_tokens: int, after: int, prefill_len: int, over: bool) -> int:
         """Queries of a prefill chunk of ``new_tokens`` (ending at ``after`` tokens) to score: its window if the
         boundary after it may evict (``over``: the request will hold more than its budget then), else 0."""
         if not self.scores or not self.prefill_evict:
             return 0
-        step = self.step_at(after, prefill_len, num_output + 1)
-        if step is None or (not self.eager and (step % self.interval or not over)):
-            return 0
-        return min(self.window, new_tokens)
+        return min(self.window, new_tokens) if self.eager or over else 0
 
-    def decode_ask(self, step: int) -> tuple[bool, bool]:
-        """(observe, export) for the forward that completes decode step ``step``: a policy with attention
-        statistics accumulates every observed step and exports them when the next decision may evict."""
-        if not self.scores or step % self.score_every:
-            return False, False
-        return True, self.eager or step % self.interval == 0
+    def decode_ask(self, step: int, decides: bool) -> tuple[bool, bool, bool]:
+        """(observe, export, window) for the forward that completes decode step ``step``, before a decision or not:
+        a per-step policy observes one step in ``score_every`` and exports what it accumulated before a decision;
+        an on-demand policy observes nothing, and its window of recent queries is scored before a decision."""
+        if not self.scores:
+            return False, False, False
+        if self.on_demand:
+            return False, False, decides
+        observe = step % self.score_every == 0
+        return observe, observe and decides, False
 
     # ------------------------------------------------------------------ parking
     @staticmethod

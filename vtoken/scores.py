@@ -118,6 +118,7 @@ class AttentionScorer:
         self._buffers: dict[str, torch.Tensor] = {}  # work storage that every step reuses (see _scratch)
         self._begin(np.empty(0, np.int64), np.empty(0, np.int64))
         self.rows: np.ndarray = np.empty(0, np.int64)  # rows observed in the last finished step
+        self.counts = {"steps": 0, "rows": 0}  # steps scored and the rows among them (tests count them)
         self._seq: torch.Tensor | None = None  # and their physical seq_lens
 
     @property
@@ -322,6 +323,9 @@ class AttentionScorer:
     def end_step(self) -> None:
         """Score the step's layers, then fold its attention into ``attn_sum`` and ``attn_hist`` (after the TP
         all-reduce)."""
+        if self._rows.size and self._seen:
+            self.counts["steps"] += 1
+            self.counts["rows"] += int(self._rows.size)
         self._score_layers()
         p, w, total = self._plan, self._w, self._layers * self._heads * self.tp.world
         self.rows, self._seq = self._rows, (p.seq if p is not None else None)

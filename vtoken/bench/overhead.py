@@ -5,14 +5,18 @@ Modes (same prompts, every request generates the same number of tokens):
   off              make_llm(mode="off"): must equal stock (no regression)
   vtoken-noevict   vToken's scheduler and worker in the path, budget above any context: bookkeeping only
   vtoken-streaming eviction + compaction + KV moves, no attention scoring
-  vtoken-h2o       the same plus attention scoring (the h2o policy)
+  vtoken-h2o       the same plus attention scoring at every decode step (the h2o policy)
+  vtoken-snapkv    the default: snapkv, decisions in block-sized batches, scores on demand from a window of recent
+                   queries (no per-step scorer)
   naive-h2o        Naive-Evict with the same decisions
   vtoken-h2o-every4  h2o with score_every=4 (opt-in): one decode step in four observed
 Step time is vLLM's own per-request decode time, (last token - first token) / (tokens - 1). Every round
 runs every mode once (the order rotates from round to round, so slow drift hits every mode alike); ratios
 are taken within a round and reported as the median over rounds with their [min, max], so a noisy machine
 shows as a wide spread instead of a wrong number. The scoring share is (h2o - streaming) / h2o: both evict
-to the same budget, so they attend to the same live-token counts and differ only by the scorer.
+to the same budget, so they attend to the same live-token counts and differ only by the scorer. Each mode also
+reports its measured scoring share: the worker's host time scoring (per-step scorer, chunk windows, windows on
+demand) over the batch's time.
 
 Also: a scorer micro-benchmark (its time per decode step at three context lengths, SmolLM2's shapes, to
 show it grows linearly with live tokens; ``python -m vtoken.bench.overhead --device cuda`` runs it alone,
@@ -29,8 +33,11 @@ import numpy as np
 from vtoken.bench.engine_run import Engine, log, real_prompts
 from vtoken.bench.report import Table
 
-CORE_MODES = ("off", "vtoken-streaming", "vtoken-h2o", "naive-h2o", "vtoken-h2o-every4")
-ALL_MODES = ("stock", "off", "vtoken-noevict", "vtoken-streaming", "vtoken-h2o", "naive-h2o", "vtoken-h2o-every4")
+CORE_MODES = ("off", "vtoken-snapkv", "vtoken-streaming", "vtoken-h2o", "naive-h2o", "vtoken-h2o-every4")
+ALL_MODES = (
+    "stock", "off", "vtoken-noevict", "vtoken-snapkv", "vtoken-streaming", "vtoken-h2o", "naive-h2o",
+    "vtoken-h2o-every4",
+)  # fmt: skip
 
 
 def add_args(p) -> None:
@@ -53,6 +60,7 @@ def _modes(budget: float) -> dict[str, tuple[str, dict | None]]:
         "stock": ("stock", None),
         "off": ("off", None),
         "vtoken-noevict": ("vtoken", {"policy": "streaming", "budget": 10**9}),
+        "vtoken-snapkv": ("vtoken", {"policy": "snapkv", "budget": budget}),  # the default
         "vtoken-streaming": ("vtoken", {"policy": "streaming", "budget": budget}),
         "vtoken-h2o": ("vtoken", {"policy": "h2o", "budget": budget}),
         "naive-h2o": ("naive", {"policy": "h2o", "budget": budget}),
@@ -109,6 +117,7 @@ def _run_mode(label: str, mode: str, cfg: dict | None, model_dir: str, prompts, 
         "load_before": load,
         "compaction_seconds": engine.get("compaction_seconds", 0.0),
         "move_seconds": engine.get("move_seconds", 0.0),
+        "score_seconds": engine.get("score_seconds", 0.0),
         "tokens_moved": engine.get("tokens_moved", 0),
     }
 
@@ -132,6 +141,7 @@ def summarise(rounds: list[dict[str, dict]], modes: list[str]) -> dict:
                 **_spread(f"ratio_to_{base}", (r[mode]["ms_per_step"] / r[base]["ms_per_step"] for r in rounds)),
                 "compaction_share": float(np.median([x["compaction_seconds"] / x["seconds"] for x in runs])),
                 "move_share": float(np.median([x["move_seconds"] / x["seconds"] for x in runs])),
+                "score_share": float(np.median([x.get("score_seconds", 0.0) / x["seconds"] for x in runs])),
                 "tokens_moved": int(np.median([x["tokens_moved"] for x in runs])),
             }
         )
@@ -278,6 +288,7 @@ def tables(result: dict) -> list[Table]:
             _fmt(r, f"ratio_to_{base}", fmt=".3f"),
             f"{100 * r['compaction_share']:.2f}%",
             f"{100 * r['move_share']:.2f}%",
+            f"{100 * r.get('score_share', 0.0):.2f}%",
             r["tokens_moved"],
         ]
         for r in result["rows"]
@@ -316,7 +327,7 @@ def tables(result: dict) -> list[Table]:
             f"Decode step time, median [min, max] over rounds ({result['model']}, {result['prompts']} x "
             f"{result['prompt_tokens']}-token prompts, {result['max_tokens']} output tokens, budget "
             f"{result['budget']})",
-            ["mode", "ms/step", f"vs {base}", "scheduler compaction", "KV moves", "tokens moved"],
+            ["mode", "ms/step", f"vs {base}", "scheduler compaction", "KV moves", "scoring", "tokens moved"],
             rows,
             note,
         ),

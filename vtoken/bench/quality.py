@@ -25,6 +25,7 @@ import numpy as np
 
 from vtoken.bench.engine_run import Engine, log
 from vtoken.bench.report import Table
+from vtoken.query_window import DECODE_WINDOW
 
 POLICIES = ("h2o", "scissorhands", "random", "streaming")
 ATTENTION_POLICIES = ("h2o", "scissorhands")  # the ones score_every applies to
@@ -67,15 +68,27 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     needs = bool(policy and policy.needs)
     have = False  # statistics from the forward just run, as the engine's scheduler receives them
     # The engine's own timing rules (vtoken/schedule.py): when the policy may evict, which queries are scored.
-    sched = Schedule.of(policy, prefill_evict=bool(chunk), window=window) if policy else None
+    sched = Schedule.of(policy, prefill_evict=bool(chunk), window=window, block_size=32) if policy else None
+    recent: list[
+        np.ndarray
+    ] = []  # on-demand policies: the attention rows of the decode queries since the last decision
+
+    def keep(n: int) -> int:
+        return max(policy.target(n), min(n, policy.sink + policy.recent))
 
     def evict(n: int, num_output: int) -> None:
+        nonlocal have
         if policy is None or (policy.needs and not have):
             return
-        step = sched.decision_step(n, ctx, num_output)
+        step = sched.decision_step(n, ctx, num_output, int(live[:n].sum()) - keep(n))
         if step is None:
             return
         alive = np.flatnonzero(live[:n])
+        if sched.on_demand and step:  # the window of recent queries, scored at the decision (vtoken/query_window.py)
+            acc[:] = 0
+            for row in recent:
+                acc[: row.size] += row
+            recent.clear()
         stats = {ATTN_SUM: acc[alive], ATTN_HIST: hist[alive]}
         victims = policy.select(PolicyInput(n, step, alive, {k: stats[k] for k in policy.needs}, None, 7))
         live[victims] = False
@@ -96,6 +109,9 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
             layers, heads = len(out.attentions), out.attentions[0].shape[1]
             for q in range(end - observe, end):  # in order, as the scorer folds them
                 w = sum(a[0, :, q - start, :].sum(0) for a in out.attentions).float().numpy()[: q + 1]
+                if sched.on_demand and end - start == 1:  # a decode query: into the window, scored at a decision
+                    recent[:] = [*recent[-(DECODE_WINDOW - 1) :], w]
+                    continue
                 acc[: q + 1] += w
                 # The scorer's one definition (vtoken.scores.uniform_share): 1 / the keys this query attends
                 # to, itself included. Here those are the live tokens up to it (the mask hides the dead),
@@ -111,7 +127,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
             if start:
                 evict(start, 0)  # a chunk boundary
             over = policy is not None and live[:end].sum() > policy.target(end)
-            out = forward(start, end, cache, sched.chunk_queries(end - start, end, ctx, 0, over) if sched else 0)
+            out = forward(start, end, cache, sched.chunk_queries(end - start, end, ctx, over) if sched else 0)
             cache = out.past_key_values
         logits, n, nll = out.logits[0, -1], ctx, []
         for t in range(t_eval):
@@ -119,8 +135,10 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
             if t == t_eval - 1:
                 break
             evict(n, t + 1)  # t + 1 outputs sampled (the boundary after the last chunk at the first)
-            # This forward completes decode step t + 2; observed one step in score_every (full KV: always).
-            out = forward(n, n + 1, cache, int(sched.decode_ask(t + 2)[0]) if sched else 1)
+            # This forward completes decode step t + 2; observed one step in score_every (full KV: always); on-demand
+            # policies keep every decode query in their window.
+            observe = sched is None or sched.on_demand or sched.decode_ask(t + 2, True)[0]
+            out = forward(n, n + 1, cache, int(observe))
             cache, logits, n = out.past_key_values, out.logits[0, -1], n + 1
     return float(np.mean(nll))
 

@@ -44,15 +44,20 @@ class EvictionPolicy(ABC):
     """Base class. ``budget`` < 1 is a ratio of the context; >= 1 an absolute number of tokens."""
 
     budget: float = 0.5
-    interval: int = 1  # timing (Schedule): decide every ``interval`` decode steps
+    # Timing (Schedule): a decoding request decides once it holds ``interval`` tokens more than it keeps (1: at
+    # every decode step; 0: one KV block, the engine's default, so decisions and compactions come in batches).
+    interval: int = 1
     sink: int = 4
     recent: int = 16
     seed: int = 0
-    # Attention-driven policies only, opt-in: observe one decode step in ``score_every`` (the engine then
+    # Per-step attention policies only, opt-in: observe one decode step in ``score_every`` (the engine then
     # exports statistics, and the policy evicts, only after an observed step). 1 = every step, exact H2O /
     # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in the README's Output quality section.
     score_every: int = 1
     needs: ClassVar[tuple[str, ...]] = ()  # statistics the engine must collect for this policy
+    # The decode statistics come from the window of the request's recent queries, scored once just before a
+    # decision (SnapKV's observation window); False: every decode step's attention, accumulated (H2O's definition).
+    window_scores: ClassVar[bool] = False
     name: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
@@ -62,11 +67,14 @@ class EvictionPolicy(ABC):
             )
         if self.budget >= 1 and float(self.budget) != int(self.budget):
             raise ValueError(f"{self.name}: a budget >= 1 is a token count and must be whole, got {self.budget}")
-        for attr in ("interval", "score_every"):
-            if getattr(self, attr) < 1:
-                raise ValueError(f"{self.name}: {attr} must be >= 1, got {getattr(self, attr)}")
-        if self.score_every != 1 and not self.needs:
-            raise ValueError(f"{self.name}: score_every applies only to attention policies (h2o, scissorhands)")
+        if self.interval < 0:
+            raise ValueError(f"{self.name}: interval must be >= 0 (0: one KV block), got {self.interval}")
+        if self.score_every < 1:
+            raise ValueError(f"{self.name}: score_every must be >= 1, got {self.score_every}")
+        if self.score_every != 1 and (not self.needs or self.window_scores):
+            raise ValueError(
+                f"{self.name}: score_every applies only to per-step attention policies (h2o, scissorhands)"
+            )
         for attr in ("sink", "recent"):
             if getattr(self, attr) < 0:
                 raise ValueError(f"{self.name}: {attr} must be >= 0, got {getattr(self, attr)}")

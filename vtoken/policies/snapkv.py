@@ -16,6 +16,7 @@ class SnapKV(EvictionPolicy):
     before: int = 12
     after: int = 2
     needs = (ATTN_SUM,)
+    window_scores = True  # while decoding: the window of recent queries, scored once before a decision
 
     def score(self, inp: PolicyInput):
         x, b, a = np.asarray(inp.stats[ATTN_SUM], dtype=np.float64), max(self.before, 0), max(self.after, 0)

@@ -27,6 +27,10 @@ class VTokenStep:
     park: MoveBatch = field(default_factory=lambda: MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
     restore: MoveBatch = field(default_factory=lambda: MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
     joint: dict[str, np.ndarray] = field(default_factory=dict)
+    # On-demand statistics (vtoken/query_window.py): requests whose decode query joins their window this step, and
+    # requests whose window is scored after this forward (req -> statistics to send back).
+    record: tuple[str, ...] = ()
+    window: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class VTokenWorkerOutput:
     stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # req -> name -> [physical_len]
     move_seconds: float = 0.0
     bytes_moved: int = 0
+    score_seconds: float = 0.0  # host time scoring (the per-step scorer, the last chunks, windows on demand)
 
 
 def empty_step() -> VTokenStep:

@@ -10,12 +10,16 @@ slots, in which no dead token remains. The same split serves prefill chunks and 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig
 from vtoken.mover import Mover
 from vtoken.mover_factory import make_mover
+from vtoken.policies import ATTN_SUM
+from vtoken.query_window import QueryWindow
 from vtoken.tier import KVTier
 from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
@@ -39,6 +43,12 @@ class VTokenRunnerMixin:
         self.vt_mover: Mover | None = None
         self.vt_scorer: scores_mod.AttentionScorer | None = None
         self.vt_tier: KVTier | None = None  # parking's second tier (vtoken/tier.py)
+        self.vt_window: QueryWindow | None = None  # each decoding request's recent queries (vtoken/query_window.py)
+        self.vt_record: tuple[str, ...] = ()
+        self.vt_window_ask: dict[str, tuple[str, ...]] = {}
+        self.vt_window_len: dict[str, int] = {}
+        self.vt_window_scored = 0  # windows scored since the engine started (tests count them)
+        self.vt_decode_scored = 0  # decode queries the per-step scorer scored (0 for an on-demand policy)
         self.vt_joint: dict[str, np.ndarray] = {}
         self.vt_move_seconds = 0.0
         self.vt_bytes_moved = 0
@@ -63,7 +73,11 @@ class VTokenRunnerMixin:
             if park:
                 self.vt_tier = KVTier(park, self.kv_caches, layout, bs, spec.head_size, self.vt_scorer.extra_tensors,
                                       self.vt_tp)  # fmt: skip
-            scores_mod.install(forward_context, scores_mod.Observers(self.vt_scorer, self.vt_tier))
+            if self.vt_policy.window_scores or self.vt.collect_scores:  # snapkv, of the engine or of one request
+                heads = self.model_config.get_num_attention_heads(self.parallel_config)
+                self.vt_window = QueryWindow(self.max_num_reqs, self.kv_caches, layout, bs, heads, spec.head_size,
+                                             self.vt.decode_window, tp=self.vt_tp)  # fmt: skip
+            scores_mod.install(forward_context, scores_mod.Observers(self.vt_scorer, self.vt_tier, self.vt_window))
         # CUDA: bind the fused mover to the caches once (fixed addresses) and make each layer wait for its moves
         extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
         move_waits.install(forward_context, self.vt_mover, self.kv_caches, extra)
@@ -96,7 +110,12 @@ class VTokenRunnerMixin:
             self.vt_gaps.pop(rid, None)  # resumed after preemption: recomputed from scratch, no gap
         for new in so.scheduled_new_reqs:
             self.vt_gaps.pop(new.req_id, None)  # (re)admitted as new: no gap yet, whatever it had before
+        if self.vt_window is not None:  # a request that ends or starts over gives its window back
+            for rid in (*so.finished_req_ids, *so.scheduled_cached_reqs.resumed_req_ids,
+                        *(n.req_id for n in so.scheduled_new_reqs)):  # fmt: skip
+                self.vt_window.release(rid)
         self.vt_observe, self.vt_export = step.observe, step.export
+        self.vt_record, self.vt_window_ask = step.record, step.window
 
     def _vt_step_mover(self) -> Mover:
         """The mover of this step's moves (the testing runner's negative control swaps in one that skips them)."""
@@ -147,6 +166,8 @@ class VTokenRunnerMixin:
             self.vt_scorer.reset_slots(self.input_batch.block_table[0].slot_mapping.gpu[:total].long())
             observe, rows = self.vt_observe, self.input_batch.req_id_to_index
             picked = [(rows[r], n) for r, n in observe.items() if r in rows]
+            prompt_lens, done = self.input_batch.num_prompt_tokens, self.input_batch.num_computed_tokens_cpu
+            self.vt_decode_scored += sum(1 for i, _ in picked if done[i] >= prompt_lens[i])
             self.vt_scorer.begin_step(
                 np.array([p[0] for p in picked], np.int64), np.array([p[1] for p in picked], np.int64)
             )
@@ -154,11 +175,18 @@ class VTokenRunnerMixin:
                 self.vt_tier.begin([(rows[r], observe[r], t) for r, t in self.vt_joint.items() if r in rows])
             # Physical length of each exported request once this forward has written its tokens.
             computed = self.input_batch.num_computed_tokens_cpu
-            self.vt_export_len = {
-                r: int(computed[rows[r]] + num_scheduled_tokens[rows[r]]) - self.vt_gaps.get(r, 0)
-                for r in self.vt_export
-                if r in rows
-            }
+            after = {r: int(computed[rows[r]] + num_scheduled_tokens[rows[r]]) - self.vt_gaps.get(r, 0)
+                     for r in (*self.vt_export, *self.vt_window_ask) if r in rows}  # fmt: skip
+            self.vt_export_len = {r: after[r] for r in self.vt_export if r in after}
+            self.vt_window_len = {r: after[r] for r in self.vt_window_ask if r in after}
+            if self.vt_window is not None:  # each recorded decode query: its token in the forward, its position
+                starts, entries = self.query_start_loc.np, []
+                for r in self.vt_record:
+                    slot = self.vt_window.row_of(r) if r in rows else None
+                    if slot is not None:
+                        i = rows[r]
+                        entries.append((slot, int(starts[i]), int(computed[i]) - self.vt_gaps.get(r, 0)))
+                self.vt_window.begin(entries)
         return result
 
     def _vt_physical_positions(self, total: int, physical: torch.Tensor) -> None:
@@ -171,6 +199,7 @@ class VTokenRunnerMixin:
         vt = VTokenWorkerOutput(move_seconds=self.vt_move_seconds, bytes_moved=self.vt_bytes_moved)
         self.vt_move_seconds, self.vt_bytes_moved = 0.0, 0
         scorer = self.vt_scorer
+        t0 = time.perf_counter()
         if scorer is not None:
             scorer.end_step()
             if self.vt_tier is not None:
@@ -181,6 +210,14 @@ class VTokenRunnerMixin:
                     vt.stats[rid] = scorer.export(state.block_ids[0], length, self.vt_export[rid])
                     if rid in self.vt_joint:
                         vt.stats[rid].update(self.vt_tier.export(self.vt_joint[rid], self.vt_export[rid]))
+            window = self.vt_window
+            for rid, length in self.vt_window_len.items():  # on demand: the window, scored once before a decision
+                state, row = self.requests.get(rid), window.owner.get(rid) if window is not None else None
+                if state is not None and row is not None:
+                    vt.stats[rid] = {ATTN_SUM: window.score(row, state.block_ids[0], length, self.kv_caches)}
+                    window.clear(row)
+                    self.vt_window_scored += 1
+        vt.score_seconds = time.perf_counter() - t0
         target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
         if target is not None:
             target.vtoken = vt

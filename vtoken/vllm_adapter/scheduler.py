@@ -119,6 +119,7 @@ class VTokenScheduler(Scheduler):
         out = super().schedule(*args, **kwargs)
         t2 = time.perf_counter()
         step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore)
+        record: list[str] = []
         for rid, n in list(out.num_scheduled_tokens.items()):
             request = self.requests[rid]
             if not core.tracks(rid):
@@ -127,11 +128,17 @@ class VTokenScheduler(Scheduler):
                 n = self._stop_one_short(out, request)
             ask = core.scheduled(rid, n, request.num_computed_tokens, request.num_output_tokens)
             if ask is not None:
-                step.observe[rid] = ask.queries
+                if ask.queries:
+                    step.observe[rid] = ask.queries
                 if ask.export:
                     step.export[rid] = ask.export
                 if ask.parked is not None:
                     step.joint[rid] = ask.parked
+                if ask.record:
+                    record.append(rid)
+                if ask.window:
+                    step.window[rid] = ask.window
+        step.record = tuple(record)
         core.note_step(len(self.running), (t1 - t0) + (time.perf_counter() - t2))
         out.vtoken = step
         return out
@@ -202,7 +209,7 @@ class VTokenScheduler(Scheduler):
         if vt is not None:
             for rid, stats in vt.stats.items():
                 core.receive_stats(rid, stats)
-            core.note_worker(vt.move_seconds, vt.bytes_moved)
+            core.note_worker(vt.move_seconds, vt.bytes_moved, score_seconds=vt.score_seconds)
         lp = getattr(model_runner_output, "logprobs", None)
         if lp is not None and self.vt_trace is not None:
             sampled = model_runner_output.sampled_token_ids

@@ -16,6 +16,15 @@ class VTokenWorkerRPC:
         tp = self.model_runner.vt_tp
         return {"rank": tp.rank, "world": tp.world, "backend": tp.backend, **tp.stats.summary()}
 
+    def vtoken_score_counts(self) -> dict:
+        """What this rank's scorers did since the engine started: forwards and rows the per-step scorer scored
+        (``decode_rows``: decode queries among them; prompt chunks' windows are the rest), and windows of recent
+        queries scored on demand."""
+        runner = self.model_runner
+        scorer = runner.vt_scorer
+        counts = dict(scorer.counts) if scorer is not None else {"steps": 0, "rows": 0}
+        return {**counts, "decode_rows": runner.vt_decode_scored, "windows": runner.vt_window_scored}
+
     def vtoken_tp_probe(self, numel: int, reps: int = 200) -> dict:
         """Latency of the exchanges alone, ranks in step (see tp.TensorParallel.probe); every rank runs it."""
         return {"rank": self.model_runner.vt_tp.rank, **self.model_runner.vt_tp.probe(numel, reps)}

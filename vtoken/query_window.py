@@ -1,0 +1,160 @@
+"""QueryWindow: each decoding request's last ``W`` queries, per layer, kept in one fixed buffer on the device, and
+scored over the request's live keys once, just before a decision. Worker side, no vLLM.
+
+SnapKV (Li et al., 2024) scores the prompt's tokens by the attention of an observation window of its last queries;
+kvpress's DecodingPress does the same while decoding, from a buffer of recent hidden states it clears after each
+compression. Here the buffer holds the queries themselves (after RoPE, as attention saw them), every query head
+grouped by its KV head:
+
+    q    [rows, layers, W, heads, head_size]   the model's dtype; a request owns one row while it decodes
+    pos  [rows, W]                             each query's physical position when it was written
+
+Per decode step each recorded request's query is written in place into its row's next ring slot (``begin`` sets the
+step's rows and slots, ``record`` runs inside every attention layer's hook): an index_put into a buffer allocated
+once, at a fixed address, so it runs under CUDA graphs like the movers' buffers and allocates nothing per step.
+At a decision (``score``) the row's queries are scored over its live keys: softmax per query head over the keys at
+or before the query's position, summed over the window, the heads and the layers: ``attn_sum`` as vtoken/scores.py
+defines it, from this window alone. The window then starts afresh (``clear``): the decision moves the request's
+tokens, and the positions of queries written before it would no longer match their keys. Between two decisions the
+request loses no token, so each query is scored over exactly the keys it attended when it ran.
+
+Cost. Memory: rows x layers x W x heads x head_size elements, rows = the engine's largest batch. Llama-3.1-8B (32
+layers, 32 query heads of 128) in bf16 with W = 16: 4 MiB per request, 1 GiB at 256 running requests (0.7% of an
+H200's memory; W = 8 halves it). SmolLM2-135M in fp32 on a CPU: 1.1 MiB per request, allocated but untouched until
+written. Compute: one pass of W queries over the live keys per decision (a decision comes about once per KV block of
+decoding), instead of one query over every live key at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vtoken.kv_layout import LAYOUTS, Layout, TableLayout, table_of
+from vtoken.planner import to_global_slots
+
+DECODE_WINDOW = 16  # queries kept per request (VTokenConfig.decode_window)
+
+
+class QueryWindow:
+    def __init__(
+        self,
+        rows: int,
+        kv_caches: Sequence[torch.Tensor],
+        layout: Layout,
+        block_size: int,
+        heads: int,
+        head_size: int,
+        window: int = DECODE_WINDOW,
+        dtype: torch.dtype | None = None,
+        tp=None,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"the decode window needs at least one query, got {window}")
+        kv = kv_caches[0]
+        self.rows, self.window, self.bs, self.heads, self.head_size, self.tp = (
+            rows,
+            window,
+            block_size,
+            heads,
+            head_size,
+            tp,
+        )
+        self.device = kv.device
+        dtype = dtype or kv.dtype
+        # Uninitialised: a slot is read only once a query was written there (``count``).
+        self.q = torch.empty(rows, len(kv_caches), window, heads, head_size, dtype=dtype, device=self.device)
+        self._qtmp = torch.empty(rows, heads, head_size, dtype=kv.dtype, device=self.device)
+        self.pos = torch.zeros(rows, window, dtype=torch.long, device=self.device)
+        self.count = np.zeros(rows, np.int64)  # queries written since the row's last decision (host side)
+        self._layer = {t.data_ptr(): i for i, t in enumerate(kv_caches)}
+        self.table = layout if isinstance(layout, TableLayout) else TableLayout(table_of(LAYOUTS[layout], block_size,
+                                                                                         head_size))  # fmt: skip
+        # This step's recorded queries: (buffer row, ring slot, token index in the forward, physical position), in
+        # index buffers of a fixed size.
+        self._idx = torch.zeros(4, rows, dtype=torch.long, device=self.device)
+        self._host = torch.zeros(4, rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._n = 0
+        self.scale = 1.0
+        self.owner: dict[str, int] = {}  # request -> its buffer row
+        self._free = list(range(rows - 1, -1, -1))
+
+    # ------------------------------------------------------------------ rows
+    def row_of(self, request_id: str) -> int | None:
+        """The request's buffer row, taken on its first recorded query (None: every row is taken)."""
+        row = self.owner.get(request_id)
+        if row is None and self._free:
+            row = self.owner[request_id] = self._free.pop()
+            self.count[row] = 0
+        return row
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: its row is free again."""
+        row = self.owner.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+            self.count[row] = 0
+
+    # ------------------------------------------------------------------ every decode step
+    def begin(self, entries: list[tuple[int, int, int]]) -> None:
+        """This step's recorded queries: (buffer row, token index in the forward, physical position)."""
+        n = self._n = len(entries)
+        if not n:
+            return
+        rows = np.array([e[0] for e in entries], np.int64)
+        ring = self.count[rows] % self.window
+        self.count[rows] += 1
+        host = self._host.numpy()
+        host[0, :n], host[1, :n] = rows, ring
+        host[2, :n], host[3, :n] = [e[1] for e in entries], [e[2] for e in entries]
+        self._idx[:, :n].copy_(self._host[:, :n], non_blocking=True)
+        self.pos.index_put_((self._idx[0, :n], self._idx[1, :n]), self._idx[3, :n])
+
+    def record(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, output=None) -> None:
+        """One attention layer's hook: this step's recorded queries into their rows' ring slots (in place)."""
+        if not self._n:
+            return
+        layer = self._layer.get(kv_cache.data_ptr())
+        if layer is None:
+            return
+        n = self._n
+        rows, ring, tok = self._idx[0, :n], self._idx[1, :n], self._idx[2, :n]
+        picked = torch.index_select(query, 0, tok, out=self._qtmp[:n]) if query.dtype == self._qtmp.dtype else (
+            query.index_select(0, tok))  # fmt: skip
+        self.q[:, layer].index_put_((rows, ring), picked.to(self.q.dtype))
+        self.scale = scale
+
+    observe = record  # an observer of every attention layer, beside the scorer and the tier
+
+    # ------------------------------------------------------------------ at a decision
+    def score(self, row: int, block_ids: list[int], seq: int, kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
+        """``attn_sum`` of the request's ``seq`` physical slots from its window: float32 [seq], on the host."""
+        n = int(min(self.count[row], self.window))
+        if n == 0:
+            return np.zeros(seq, np.float32)
+        ring = (np.arange(self.count[row] - n, self.count[row]) % self.window).tolist()
+        slots = torch.as_tensor(to_global_slots(np.arange(seq), block_ids, self.bs), device=self.device)
+        pos = self.pos[row, ring]  # [n]
+        future = torch.arange(seq, device=self.device)[None, :] > pos[:, None]  # [n, seq]: keys after each query
+        total = torch.zeros(seq, dtype=torch.float32, device=self.device)
+        positions = None
+        for layer, kv in enumerate(kv_caches):
+            if positions is None:
+                s = slots
+                positions = self.table.positions(kv, s // self.bs, s % self.bs)[..., : self.head_size]
+            k = kv.view(-1)[positions].float()  # [seq, kvh, D]
+            q = self.q[row, layer, ring].float()  # [n, H, D]
+            kvh = k.shape[1]
+            qg = q.view(n, kvh, self.heads // kvh, self.head_size)
+            logits = torch.einsum("qkgd,skd->qkgs", qg, k) * self.scale
+            logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
+            total += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
+        if self.tp is not None:
+            total = self.tp.sum_scores(total)
+        return total.cpu().numpy()
+
+    def clear(self, row: int) -> None:
+        """A decision follows: the window starts afresh (see the module docstring)."""
+        self.count[row] = 0
