@@ -62,9 +62,9 @@ def test_placement_reserves_what_the_request_really_holds_at_most(
     prompt, max_tokens, bs, budget, sink, recent, chunk, prefill_evict, interval
 ):
     """Never less than the real peak (a replica that takes the request can hold it), and at most two blocks more
-    (the bound's slack: the block being filled, and the decisions that come in batches of ``interval``). Before the rule was shared,
-    placement assumed the whole prompt held, so a 400-token prompt read in chunks of 16 at 10% was estimated at
-    three times its real peak."""
+    (the bound's slack: the block being filled, and the decisions that come in batches of ``interval``). Before the
+    rule was shared, placement assumed the whole prompt held, so a 400-token prompt read in chunks of 16 at 10% was
+    estimated at three times its real peak."""
     real = measured_peak(prompt, max_tokens, bs, budget, sink, recent, chunk, prefill_evict, interval)
     est = peak_blocks(prompt, max_tokens, bs, budget, sink, recent, chunk, prefill_evict, interval or bs)
     assert real <= est <= real + 2, (real, est)
