@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vtoken.compactor import kill_and_pack
 from vtoken.kv_layout import LAYOUTS, TableLayout
 from vtoken.move_batch import MoveBatch
 from vtoken.mover_factory import make_mover
+from vtoken.packing import kill_and_pack
 from vtoken.planner import to_global_slots
 from vtoken.scores import ATTN_HIST, ATTN_SUM
 from vtoken.scores_reference import NEAR_TIE

@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from vtoken.compactor import kill_and_pack  # noqa: E402
 from vtoken.kv_layout import LAYOUTS  # noqa: E402
 from vtoken.models import model_path  # noqa: E402
 from vtoken.mover import CpuMover  # noqa: E402
+from vtoken.packing import kill_and_pack  # noqa: E402
 from vtoken.planner import to_global_slots  # noqa: E402
 from vtoken.scores import ATTN_HIST, ATTN_SUM, AttentionScorer, uniform_share  # noqa: E402
 from vtoken.scores_reference import TIE_RTOL, ReferenceScorer  # noqa: E402

@@ -47,9 +47,10 @@ import numpy as np
 
 from vtoken.budget import forward_bound
 from vtoken.move_batch import MoveBatch
+from vtoken.packing import kill_and_pack
 from vtoken.park import TierSlots
 from vtoken.phase import Phase, check_phase
-from vtoken.planner import CompactionPlan, plan_compaction, to_global_slots
+from vtoken.planner import to_global_slots
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.request_state import RequestState
@@ -104,30 +105,6 @@ class CoreReport(NamedTuple):
 
 class CompactorError(RuntimeError):
     """The engine and the compactor disagree about a request (a bug, never a user error)."""
-
-
-class Packed(NamedTuple):
-    """``kill_and_pack``'s result: the moves in global slots, what the victims vacated, the plan it applied."""
-
-    moves: MoveBatch
-    holes: np.ndarray  # request-local slots the victims left
-    plan: CompactionPlan
-
-
-def kill_and_pack(
-    table: TokenTable, victims: np.ndarray, block_ids: list[int], block_size: int, protected_blocks: int = 0
-) -> Packed:
-    """THE kill, plan and apply of one request: the victims die, the planner packs the survivors below the
-    protected blocks, the table records the moves. The caller applies ``moves`` to the KV (one gather-then-
-    scatter for the whole step) and keeps ``block_ids[:plan.keep_blocks]``. The compactor, replay and the
-    scorer's tests all pack through here."""
-    holes = table.kill(victims)
-    plan = plan_compaction(table.physical_live_mask(), block_ids, block_size, protected_blocks)
-    table.apply_moves(plan.src, plan.dst, plan.physical_len)
-    moves = MoveBatch(
-        to_global_slots(plan.src, block_ids, block_size), to_global_slots(plan.dst, block_ids, block_size)
-    )
-    return Packed(moves, holes, plan)
 
 
 class Compactor:

@@ -15,7 +15,7 @@ import numpy as np
 
 from vtoken.accounting import block_counts
 from vtoken.budget import kept_tokens
-from vtoken.compactor import kill_and_pack
+from vtoken.packing import kill_and_pack
 from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import request_seed
 from vtoken.schedule import Schedule
