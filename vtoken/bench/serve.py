@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,9 @@ def add_args(p) -> None:
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--goodput", default="ttft:4000,tpot:250", help="SLA in ms, vLLM's --goodput KEY:VALUE pairs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every server this many times, the order reversed each round"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -177,18 +181,22 @@ def run(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     folder = str(model_path(args.model))
     load_before = os.getloadavg()
-    runs: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            log(f"[serve] starting {name}")
-            with server(args, name, folder) as url:
-                runs[name] = {}
-                for rate in rates:
-                    log(f"[serve] {name}: {args.num_prompts} requests at {rate}/s")
-                    runs[name][str(rate)] = r = client(args, url, folder, rate, tmp)
-                    log(f"[serve] {name} @ {rate}/s: {r['completed']} ok, {r['failed']} failed, "
-                        f"{r['request_throughput']:.3f} req/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
-                        f"TPOT {r['mean_tpot_ms']:.1f} ms")  # fmt: skip
+        for i in range(max(args.rounds, 1)):
+            runs: dict[str, dict[str, Any]] = {}
+            for name in names if i % 2 == 0 else names[::-1]:  # drift between rounds hits every server alike
+                log(f"[serve] round {i + 1}: starting {name}")
+                with server(args, name, folder) as url:
+                    runs[name] = {}
+                    for rate in rates:
+                        log(f"[serve] {name}: {args.num_prompts} requests at {rate}/s")
+                        runs[name][str(rate)] = r = client(args, url, folder, rate, tmp)
+                        log(f"[serve] {name} @ {rate}/s: {r['completed']} ok, {r['failed']} failed, "
+                            f"{r['request_throughput']:.3f} req/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
+                            f"TPOT {r['mean_tpot_ms']:.1f} ms")  # fmt: skip
+            rounds.append({name: runs[name] for name in names})
+    runs = rounds[0]
     return {
         "model": args.model,
         "servers": names,
@@ -196,6 +204,8 @@ def run(args) -> dict:
         "sla": args.goodput,
         "runs": runs,
         "ratios": ratios(runs),
+        "rounds": rounds,
+        "vs_off": vs_off(rounds),
         "load": {"cpus": os.cpu_count(), "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0]},
     }
 
@@ -214,6 +224,22 @@ def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             keys = ("request_throughput", "request_goodput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
                     "median_tpot_ms", "mean_e2el_ms")  # fmt: skip
             out.setdefault(name, {})[rate] = {k: r[k] / s[k] if r.get(k) and s.get(k) else None for k in keys}
+    return out
+
+
+def vs_off(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each server's mean TPOT and TTFT over vToken off's, round by round (each round's servers ran back to back),
+    with the median over rounds: what turning vToken on costs, in one run."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        if name == "off" or "off" not in rounds[0]:
+            continue
+        for rate in rounds[0][name]:
+            per = {k: [r[name][rate][k] / r["off"][rate][k] for r in rounds] for k in ("mean_tpot_ms", "mean_ttft_ms")}
+            out.setdefault(name, {})[rate] = {
+                **{f"{k}_rounds": v for k, v in per.items()},
+                **{k: statistics.median(v) for k, v in per.items()},
+            }
     return out
 
 
@@ -238,6 +264,18 @@ def tables(result: dict) -> list[Table]:
                 ]
             )  # fmt: skip
     load = result["load"]
+    extra = []
+    if result.get("vs_off"):
+        vrows = [[name, rate, f"x{q['mean_tpot_ms']:.3f}", " ".join(f"x{v:.3f}" for v in q["mean_tpot_ms_rounds"]),
+                  f"x{q['mean_ttft_ms']:.3f}"]
+                 for name, by_rate in result["vs_off"].items() for rate, q in by_rate.items()]  # fmt: skip
+        extra.append(
+            Table(
+                f"Over vToken off, round by round ({len(result.get('rounds', [1]))} rounds, servers alternated)",
+                ["server", "rate/s", "TPOT (median)", "TPOT per round", "TTFT (median)"],
+                vrows,
+            )
+        )
     return [
         Table(
             f"vLLM's own benchmark client against stock vLLM and vtoken serve ({result['model']}, same engine "
@@ -261,7 +299,8 @@ def tables(result: dict) -> list[Table]:
             "vtoken: the same as off, vToken on; two: two replicas, vToken on. "
             f"Load average {load['loadavg_before']:.2f} before, {load['loadavg_after']:.2f} after "
             f"({load['cpus']} CPUs).",
-        )
+        ),
+        *extra,
     ]
 
 
