@@ -129,28 +129,32 @@ class QueryWindow:
     observe = record  # an observer of every attention layer, beside the scorer and the tier
 
     # ------------------------------------------------------------------ at a decision
+    GROUP_BYTES = 64 << 20  # the logits of one group of layers scored at once
+
     def score(self, row: int, block_ids: list[int], seq: int, kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
-        """``attn_sum`` of the request's ``seq`` physical slots from its window: float32 [seq], on the host."""
+        """``attn_sum`` of the request's ``seq`` physical slots from its window: float32 [seq], on the host. Layers
+        are scored in groups (a few tensor ops a group, not a few a layer), each group's logits under
+        ``GROUP_BYTES``."""
         n = int(min(self.count[row], self.window))
         if n == 0:
             return np.zeros(seq, np.float32)
-        ring = (np.arange(self.count[row] - n, self.count[row]) % self.window).tolist()
+        ring = torch.as_tensor(np.arange(self.count[row] - n, self.count[row]) % self.window, device=self.device)
         slots = torch.as_tensor(to_global_slots(np.arange(seq), block_ids, self.bs), device=self.device)
-        pos = self.pos[row, ring]  # [n]
+        positions = self.table.positions(kv_caches[0], slots // self.bs, slots % self.bs)[..., : self.head_size]
+        pos = self.pos[row].index_select(0, ring)  # [n]
         future = torch.arange(seq, device=self.device)[None, :] > pos[:, None]  # [n, seq]: keys after each query
+        kvh = kv_caches[0].shape[1]
+        g = self.heads // kvh
+        per_layer = n * self.heads * seq * 4
+        step = max(1, min(len(kv_caches), self.GROUP_BYTES // max(per_layer, 1)))
         total = torch.zeros(seq, dtype=torch.float32, device=self.device)
-        positions = None
-        for layer, kv in enumerate(kv_caches):
-            if positions is None:
-                s = slots
-                positions = self.table.positions(kv, s // self.bs, s % self.bs)[..., : self.head_size]
-            k = kv.view(-1)[positions].float()  # [seq, kvh, D]
-            q = self.q[row, layer, ring].float()  # [n, H, D]
-            kvh = k.shape[1]
-            qg = q.view(n, kvh, self.heads // kvh, self.head_size)
-            logits = torch.einsum("qkgd,skd->qkgs", qg, k) * self.scale
-            logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
-            total += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
+        for first in range(0, len(kv_caches), step):
+            layers = range(first, min(first + step, len(kv_caches)))
+            k = torch.stack([kv_caches[i].view(-1)[positions] for i in layers]).float()  # [L, seq, kvh, D]
+            q = self.q[row, first : first + len(layers)].index_select(1, ring).float()  # [L, n, H, D]
+            logits = torch.einsum("lqkgd,lskd->lqkgs", q.view(len(layers), n, kvh, g, self.head_size), k)
+            logits.mul_(self.scale).masked_fill_(future[None, :, None, None, :], float("-inf"))
+            total += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2, 3))
         if self.tp is not None:
             total = self.tp.sum_scores(total)
         return total.cpu().numpy()

@@ -117,10 +117,12 @@ class KVTier:
     def fetch(self, batch: MoveBatch) -> list[torch.Tensor]:
         """Tier slots ``batch.src``, copied out (before this step's parking may reuse them); on CUDA onto the device,
         on the side stream (``restore`` waits for it)."""
+        if not len(batch):
+            return []  # most steps: nothing comes back
         self._land()
         src = torch.as_tensor(batch.src, dtype=torch.long)
         out = [t[src] for t in [*self.kv, *self.extra]]
-        if not self.cuda or not len(batch):
+        if not self.cuda:
             return out
         with torch.cuda.stream(self.stream):
             out = [o.pin_memory().to(self.device, non_blocking=True) for o in out]

@@ -235,6 +235,82 @@ def scorer_micro(
     }
 
 
+def window_micro(
+    device: str = "cpu",
+    lengths: tuple[int, ...] = (256, 1024, 4096),
+    requests: int = 4,
+    repeats: int = 5,
+    dtype: str = "float32",
+    shapes: str = "smollm2-135m",
+    block: int = 32,
+    budget: float = 0.25,
+) -> dict:
+    """The default's decode scoring against the per-step scorer, per decode step, on a model's shapes: the window of
+    recent queries (vtoken/query_window.py) written every step and scored once per decision, a decision about every
+    ``block / (1 - budget)`` steps, amortised over them; the per-step scorer (vtoken/scores.py) scores every step."""
+    import torch
+
+    from vtoken.bench.attention_stack import SHAPES
+    from vtoken.query_window import QueryWindow
+    from vtoken.scores import AttentionScorer
+
+    s, bs = SHAPES[shapes], 32 if device == "cpu" else 16
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    layout = "cpu" if dev.type == "cpu" else "flash"
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gd = torch.Generator(device=dev).manual_seed(0)
+    every = max(1, round(block / (1 - budget)))  # decode steps between two decisions
+    out = []
+    for n in lengths:
+        nb = requests * -(-n // bs) + 1
+        shape = (nb, s.kv_heads, bs * 2 * s.head_size) if layout == "cpu" else (nb, s.kv_heads, bs, 2 * s.head_size)
+        kv = [torch.randn(shape, generator=gd, device=dev).to(dt) for _ in range(s.layers)]
+        table = torch.arange(nb - 1, device=dev)[: requests * -(-n // bs)].view(requests, -1)
+        md = type("Metadata", (), {})()
+        md.query_start_loc = torch.arange(requests + 1, device=dev, dtype=torch.int32)
+        md.seq_lens = torch.full((requests,), n, dtype=torch.int32, device=dev)
+        md.block_table, md.max_seq_len = table.to(torch.int32), n
+        q = torch.randn(requests, s.heads, s.head_size, generator=gd, device=dev).to(dt)
+        scorer = AttentionScorer(nb * bs, bs, layout, dev)
+        window = QueryWindow(requests, kv, layout, bs, s.heads, s.head_size, 16)
+        rows = [window.row_of(str(r)) for r in range(requests)]
+        blocks = [table[r].tolist() for r in range(requests)]
+
+        def per_step(scorer=scorer, kv=kv, q=q, md=md) -> None:
+            scorer.begin_step(np.arange(requests), np.ones(requests, np.int64))
+            for layer in kv:
+                scorer.observe(q, layer, md, s.head_size**-0.5)
+            scorer.end_step()
+
+        def record(window=window, rows=rows, kv=kv, q=q, md=md, n=n) -> None:
+            window.begin([(r, i, n - 1) for i, r in enumerate(rows)])
+            for layer in kv:
+                window.record(q, layer, md, s.head_size**-0.5)
+
+        def decide(window=window, rows=rows, blocks=blocks, kv=kv, n=n) -> None:
+            for r, b in zip(rows, blocks):
+                window.score(r, b, n, kv)
+
+        def timed(fn) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - t0)
+            return 1000 * float(np.median(times))
+
+        step, rec, dec = timed(per_step), timed(record), timed(decide)
+        out.append({"context": n, "per_step_ms": step, "window_record_ms": rec, "window_score_ms": dec,
+                    "window_ms_per_step": rec + dec / every})  # fmt: skip
+        log(f"[window] {requests} x {n} tokens ({shapes}): per-step scorer {step:.2f} ms a step; window "
+            f"{rec:.3f} ms a step + {dec:.2f} ms a decision every {every} steps")  # fmt: skip
+    return {"device": device, "dtype": dtype, "shapes": shapes, "requests": requests, "steps_per_decision": every,
+            "points": out}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------- the benchmark
 def run(args) -> dict:
     from vtoken.bench import core
@@ -258,6 +334,7 @@ def run(args) -> dict:
         rounds.append({label: _run_mode(label, *table[label], model_dir, prompts, m, kw) for label in order})
     summary = summarise(rounds, modes)
     micro = scorer_micro(lengths=(128, 256, 512) if args.quick else (256, 1024, 4096), repeats=5 if args.quick else 9)
+    window = window_micro(lengths=(128, 256) if args.quick else (256, 1024, 4096), repeats=3 if args.quick else 5)
     args_core = type("A", (), {"quick": args.quick, "tokens": 16384, "moves": 4096, "repeats": 10, "device": "cpu"})
     return {
         "model": model,
@@ -269,6 +346,7 @@ def run(args) -> dict:
         "rounds": rounds,
         **summary,
         "scorer": micro,
+        "window": window,
         "core": core.run(args_core),
     }
 
@@ -371,9 +449,15 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--lengths", default="256,1024,4096")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--window", action="store_true", help="the on-demand window against the per-step scorer instead")
+    p.add_argument("--shapes", default="smollm2-135m", help="with --window: smollm2-135m or llama-8b")
     a = p.parse_args(argv)
     lengths = tuple(int(x) for x in a.lengths.split(","))
-    print(json.dumps(scorer_micro(a.device, lengths, repeats=a.repeats, dtype=a.dtype), indent=2))
+    if a.window:
+        result = window_micro(a.device, lengths, repeats=a.repeats, dtype=a.dtype, shapes=a.shapes)
+    else:
+        result = scorer_micro(a.device, lengths, repeats=a.repeats, dtype=a.dtype)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
