@@ -10,6 +10,7 @@ unexpected INTERNAL with the request id (the traceback in the server log).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -141,8 +142,9 @@ class Gateway:
         remaining = context.time_remaining()
         if remaining is not None and (req.deadline_s is None or remaining < req.deadline_s):
             req = req.model_copy(update={"deadline_s": remaining})
+        rid = uuid.uuid4().hex
         try:
-            async for d in self.dispatcher.stream(req, uuid.uuid4().hex, DOOR):
+            async for d in self.dispatcher.stream(req, rid, DOOR):
                 c = d.chunk
                 yield pb.GenerateResponse(
                     request_id=req.request_id,
@@ -156,6 +158,9 @@ class Gateway:
                 )
         except Refused as e:
             await context.abort(Code[e.code.upper()], e.message)
+        except asyncio.CancelledError:  # the client cancelled or went away: its fault-free end, one INFO line
+            log.info("request %s: the gRPC client went away; aborted", rid)
+            raise
 
 
 def _logprob(lp) -> pb.TokenLogprob:
