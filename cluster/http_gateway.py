@@ -187,7 +187,9 @@ class HttpGateway:
             self.metrics.refused(DOOR, "not_found")
             return error(404, str(e), "model")
         rid = uuid.uuid4().hex
-        answer = Answer(kind, rid, self.cfg.model_name, len(req.valid.prompt_token_ids), req.logprobs)
+        answer = Answer(
+            kind, rid, self.cfg.model_name, len(req.valid.prompt_token_ids), req.logprobs, req.continuous_usage
+        )
         deltas = self.dispatcher.stream(req.valid, rid, DOOR)
         try:
             if not req.stream:
