@@ -69,6 +69,7 @@ class Replica:
         self._report_failing = False
         self._sender = TokenSender()
         self._node = ""
+        self._where: tuple[str, str, int] | None = None  # (node ip, node id, pid), once known
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -176,6 +177,15 @@ class Replica:
             self._node = ray.util.get_node_ip_address()
         return self._node
 
+    def where(self) -> tuple[str, str, int]:
+        """(node ip, node id, pid): where this replica runs, for its reports (outside Ray: no node)."""
+        if self._where is None:
+            import ray
+
+            node = (self._node_ip(), ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ("", "")
+            self._where = (*node, os.getpid())
+        return self._where
+
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:
             await self.engine.abort(request_id)
@@ -203,6 +213,7 @@ class Replica:
             time.time(),
             pool,
             self.error,
+            *self.where(),
         )
 
     async def _pool_report(self, engine: Engine) -> PoolReport:

@@ -65,6 +65,7 @@ class Controller(ReplicaLifecycle):
         self.recoveries: collections.deque[float] = collections.deque(maxlen=100)
         self._tasks: set[asyncio.Future] = set()  # fire-and-forget work (drains), held until done
         self._loop: asyncio.Task | None = None
+        self.where = _where()  # (node ip, node id, pid) of this controller, for vtoken status
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 600) -> int:
@@ -228,3 +229,13 @@ class Controller(ReplicaLifecycle):
         """Every replica's status, last report and promised blocks, and the cumulative placement and scaling
         counts (cluster.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
         return take_snapshot(self)
+
+
+def _where() -> tuple[str, str, int]:
+    """Where this controller runs: its node's address and id, and its process (no node outside Ray)."""
+    import os
+
+    try:
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+    except Exception:
+        return "", "", os.getpid()
