@@ -213,9 +213,18 @@ class GatewayConfig(_Strict):
 
 
 class RayConfig(_Strict):
-    address: str | None = Field(None, description="join this cluster; null starts an embedded local Ray")
-    namespace: str = Field("vtoken", description="Ray namespace of the controller and replicas")
+    address: str | None = Field(
+        None,
+        description="join this cluster (HOST:PORT of its GCS, or auto: the one `ray start` recorded here); null "
+        "starts a local Ray of our own, whatever RAY_ADDRESS or an earlier `ray start` left on the machine",
+    )
+    namespace: str = Field(
+        "vtoken", description="Ray namespace of the controller and replicas (with `name`, what identifies a service)"
+    )
     num_cpus: int | None = Field(None, gt=0, description="CPUs of the embedded local Ray (null: all)")
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="longest wait to start a local Ray or join a cluster; then one line and exit code 1"
+    )
 
 
 class ServeConfig(_Strict):

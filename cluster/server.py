@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,35 +21,25 @@ import ray
 
 from actors.report import ReplicaReport
 from cluster.config import ServeConfig, preflight
-from cluster.controller import Controller, replica_env
+from cluster.controller import Controller
 from cluster.dispatch import Dispatcher
 from cluster.gateway import Gateway, check_port
 from cluster.metrics import Metrics
+from cluster.ray_connect import RayUnavailable, connect  # noqa: F401 (RayUnavailable: re-exported)
 from cluster.requests import Tokenizer
 
 log = logging.getLogger("vtoken.server")
 
 
 def start_ray(cfg: ServeConfig, address: str | None = None, verbose: bool = True) -> bool:
-    """Join ``address`` (or cfg.ray.address), else start an embedded local Ray. True when local.
-    Not ``verbose``: Ray's own messages go to the log (ERROR and up on the terminal), and the workers' output
-    (the replicas, vLLM's EngineCore under them) stays in Ray's session logs; the workers log quietly too,
-    through the environment they inherit (vtoken.cli.QUIET_ENV), so those files stay small."""
-    address = address or cfg.ray.address
+    """Join ``address`` (or cfg.ray.address), else start a local Ray of our own (never one ``ray start`` left
+    behind), within ``ray.connect_timeout_s`` (cluster/ray_connect.py; RayUnavailable with one line otherwise).
+    True when local. Not ``verbose``: Ray's own messages go to the log (ERROR and up on the terminal), and the
+    workers' output (the replicas, vLLM's EngineCore under them) stays in Ray's session logs; the workers log
+    quietly too, through the environment they inherit (vtoken.cli.QUIET_ENV), so those files stay small."""
     if not ray.is_initialized():
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        kw: dict[str, Any] = {
-            "namespace": cfg.ray.namespace,
-            "include_dashboard": False,
-            "runtime_env": {"env_vars": replica_env()},
-        }
-        if not verbose:
-            kw.update(log_to_driver=False, logging_level=logging.ERROR)
-        if address:
-            ray.init(address=address, **kw)
-        else:
-            ray.init(num_cpus=cfg.ray.num_cpus, **kw)
-    return address is None
+        log.info("vtoken: %s", connect(cfg, address, verbose))
+    return not (address or cfg.ray.address)
 
 
 @dataclass
