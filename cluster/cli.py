@@ -223,18 +223,38 @@ def _start_ray(cfg, args) -> int | None:
 
 
 async def _watch_replicas(controller, every_s: float = 2.0) -> None:
-    """Our own progress while serving: a line whenever a replica changes state (dies, serves again)."""
-    states: dict[str, str] = {}
+    """Our own progress while serving: a line whenever a replica changes state (dies, serves again) and where it
+    runs, and when the controller stops answering (Ray restarts it) and answers again."""
+    states: dict[str, tuple[str, int]] = {}  # name -> (state, pid)
+    lost_at: float | None = None
+    pid = None  # the controller's process: a new one is a restart, even one quicker than a poll
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(every_s)
         try:
-            rows = (await controller.status.remote())["replicas"]
-        except Exception:  # the controller is restarting or stopping: nothing to say yet
+            st = await asyncio.wait_for(controller.status.remote(), 10)
+        except Exception as e:  # restarting (or stopping): say so once
+            if lost_at is None:
+                lost_at = loop.time()
+                print(f"vtoken: the controller is not answering ({type(e).__name__}); Ray restarts it", flush=True)
             continue
-        now = {r["name"]: r["state"] for r in rows}
-        for name, state in now.items():
-            if states and states.get(name) != state:
-                print(f"vtoken: replica {name} is {state}", flush=True)
+        rows = st["replicas"]
+        if lost_at is not None or pid not in (None, st["controller_pid"]):
+            serving = sum(r["state"] == "healthy" for r in rows)
+            after = f" after {loop.time() - lost_at:.0f}s" if lost_at is not None else ""
+            print(f"vtoken: the controller answers again{after} (restarted, pid {st['controller_pid']}); it took over "
+                  f"{len(rows)} replicas, {serving} serving", flush=True)  # fmt: skip
+            lost_at = None
+        pid = st["controller_pid"]
+        now = {r["name"]: (r["state"], r.get("pid", 0)) for r in rows}
+        for r in rows:
+            was = states.get(r["name"])
+            if not states or was == now[r["name"]] or (was and was[0] == r["state"] and not r.get("pid")):
+                continue
+            where = f" (node {r['node_ip']} {r['node_id'][:8]}, pid {r['pid']})" if r.get("pid") else ""
+            # the same state in another process: it died and came back between two looks
+            how = f"restarted, {r['state']}" if was and was[0] == r["state"] else r["state"]
+            print(f"vtoken: replica {r['name']} is {how}{where}", flush=True)
         states = now
 
 
@@ -288,8 +308,12 @@ async def _serve_async(cfg, args, local: bool) -> int:
         except (ValueError, OSError, RuntimeError) as e:  # a failed start: the reason, not a traceback
             print(f"vtoken serve: {e}", file=sys.stderr, flush=True)
             return 2 if isinstance(e, ValueError | OSError) else 1
+        except ray.exceptions.RayError as e:  # the controller lost during start-up
+            print(f"vtoken serve: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            return 1
         free = [f"{r.name} {r.pool.free_blocks}/{r.pool.total_blocks}" for r in s.final_reports]
-        print(f"vtoken: stopped; free blocks after drain: {', '.join(free)}", flush=True)
+        drained = f"free blocks after drain: {', '.join(free)}" if free else "no replica reported after its drain"
+        print(f"vtoken: stopped; {drained}", flush=True)
         return 0
     finally:
         stopped.cancel()
