@@ -56,6 +56,7 @@ class RayNodes:
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="vt", dir="/tmp")))  # short: Ray's sockets
     port: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every node (and what runs there)
 
     @property
     def address(self) -> str:
@@ -65,7 +66,7 @@ class RayNodes:
         """The nodes' environment: the private TMPDIR and HOME, the authentication mode (and token)."""
         (self.dir / "home").mkdir(exist_ok=True)
         auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token} if self.token else {"RAY_AUTH_MODE": "disabled"}
-        return clean_env(TMPDIR=str(self.dir), HOME=str(self.dir / "home"), **auth, **extra)
+        return clean_env(TMPDIR=str(self.dir), HOME=str(self.dir / "home"), **auth, **self.extra_env, **extra)
 
     def start_head(self, num_cpus: int = 2) -> None:
         self.port = free_port()
@@ -245,8 +246,8 @@ class Load:
     """Clients streaming chat completions without pause, each outcome kept: "OK", "midstream-<code>" (an error
     event after the first chunk), the HTTP status of a refusal, or the exception's name."""
 
-    def __init__(self, url: str, clients: int = 3, max_tokens: int = 20):
-        self.url, self.max_tokens = url, max_tokens
+    def __init__(self, url: str, clients: int = 3, max_tokens: int = 20, model: str = "fake"):
+        self.url, self.max_tokens, self.model = url, max_tokens, model
         self.outcomes: list[tuple[float, float, str]] = []  # (start, end, outcome), time.monotonic()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
@@ -256,7 +257,7 @@ class Load:
     def _one(self, client) -> str:
         import json
 
-        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": self.max_tokens,
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": self.max_tokens,
                 "stream": True}  # fmt: skip
         try:
             with client.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
