@@ -1,13 +1,21 @@
-"""No single node takes the service with it: two Ray nodes on this machine (a head and a second raylet, each
-`ray start --block`, token authentication on as Ray 2.60 turns it on), `vtoken serve --address` joined to them
-with the fake engine, clients streaming the whole time.
+"""Two Ray nodes on this machine, as a user starts them (a head and a second raylet, each `ray start --block`, token
+authentication on as Ray 2.60 turns it on): joining them, not joining them, and losing one. One cluster for all
+of it, started once (the fake engine; clients streaming the whole time while something is lost).
 
-* The controller runs on the node of `vtoken serve` (the head here), the replicas on both nodes (spread).
-* The second node is lost (its `ray start` SIGKILLed, its raylet and the replica with it): the replica on the
+Joining is easy, and not joining one is certain (cluster/ray_connect.py):
+* what cannot work is one line at once, with the authentication mode and the fix: no token, a wrong one,
+  RAY_AUTH_MODE=disabled - not a 57-line traceback after 31 s;
+* a plain `vtoken serve` (no --address) starts a local Ray of its own, although this cluster is where a plain
+  ``ray.init()`` looks (RAY_ADDRESS, ``ray_current_cluster``, its token in ~/.ray/auth_token);
+* `vtoken serve --address` with the head's token, RAY_AUTH_MODE unset, joins.
+
+No single node takes the service with it:
+* the controller runs on the node of `vtoken serve` (the head here), the replicas on both nodes (spread);
+* the second node is lost (its `ray start` SIGKILLed, its raylet and the replica with it): the replica on the
   head keeps serving throughout (the same process), streams cut on the lost one end UNAVAILABLE, nothing gets a
-  500, and the lost replica is replaced on the head, where there is room.
-* The controller's process is killed: Ray restarts it, it takes the live replicas over from their reports, and
-  they serve throughout (the same processes); nothing fails.
+  500, and the lost replica is replaced on the head, where there is room;
+* the controller's process is killed: Ray restarts it, it takes the live replicas over from their reports, and
+  they serve throughout (the same processes); nothing fails;
 * `vtoken serve` is killed (SIGKILL, no shutdown): its replicas, detached, stop themselves.
 
 Bounds stated here, on this 2-core machine with the head's node-death detection at 1 s x 3 health checks (Ray's
@@ -19,10 +27,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from ray_nodes import Load, RayNodes, Serve, clean_env, fake_config, status
+from ray_nodes import ROOT, Load, RayNodes, Serve, clean_env, fake_config, status
 
 pytestmark = pytest.mark.timeout(240)
 REPLACED_S = 45.0
@@ -42,6 +52,75 @@ def nodes():
     finally:
         left = n.stop()
     assert not left, f"processes left after the nodes were killed: {left}"
+
+
+def one_line(r: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    err = r.stderr.strip()
+    assert r.returncode == code, (r.returncode, r.stdout, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+# How cluster/ray_connect.py's check comes out, without vtoken's CLI around it (a third of the start-up time).
+CHECK = """
+import sys, time
+from cluster.ray_connect import RayUnavailable, check_auth
+try:
+    print(check_auth(sys.argv[1], time.monotonic() + 20))
+except RayUnavailable as e:
+    sys.exit(f"vtoken serve: {e}")
+"""
+
+
+def test_every_way_joining_fails_is_one_line_with_the_mode_and_the_fix(nodes, tmp_path):
+    """No token (through `vtoken serve` itself), a wrong one, RAY_AUTH_MODE=disabled; and the token, right.
+    (Nothing at the address at all, and the deadline: tests/test_ray_connect.py.)"""
+    cfg = fake_config(tmp_path / "serve.yaml", ray={"connect_timeout_s": 20})
+    home = {"TMPDIR": str(nodes.dir), "HOME": str(tmp_path)}  # no ~/.ray/auth_token there
+    serve = [sys.executable, "-m", "vtoken.cli", "serve", "--config", cfg, "--address", nodes.address]
+    check = [sys.executable, "-c", CHECK, nodes.address]
+    runs = {
+        "no token": (serve, clean_env(**home)),
+        "wrong token": (check, clean_env(**home, RAY_AUTH_TOKEN="not-the-token")),
+        "disabled": (check, clean_env(**home, RAY_AUTH_MODE="disabled", RAY_AUTH_TOKEN=nodes.token)),
+        "right token": (check, clean_env(**home, RAY_AUTH_TOKEN=nodes.token)),
+    }
+    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for k, (cmd, env) in runs.items()}  # fmt: skip
+    done = {k: subprocess.CompletedProcess(p.args, p.wait(90), *p.communicate()) for k, p in procs.items()}
+    fix = "RAY_AUTH_TOKEN=<the head's token: `ray get-auth-token` on the head>"
+    one_line(done["no token"], 1, f"Ray at {nodes.address} requires token authentication", "has no token",
+             "auth mode unset", fix)  # fmt: skip
+    one_line(done["wrong token"], 1, f"Ray at {nodes.address} refused the token from RAY_AUTH_TOKEN", fix)
+    one_line(done["disabled"], 1, "requires token authentication (auth mode disabled)", fix)
+    assert done["right token"].returncode == 0, done["right token"].stderr
+    assert "with token authentication (token from RAY_AUTH_TOKEN)" in done["right token"].stdout
+    assert nodes.jobs() == 0  # none of them got in (the right one only asked)
+
+
+def test_a_plain_serve_starts_its_own_ray_and_never_joins_one_left_on_the_machine(nodes, tmp_path):
+    # Where a plain ray.init() looks, this cluster is: RAY_ADDRESS, ray_current_cluster in TMPDIR, and its token
+    # in ~/.ray/auth_token (where `ray start --head` finds it, turning authentication on).
+    assert (nodes.dir / "ray" / "ray_current_cluster").read_text().strip().endswith(str(nodes.port))
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(nodes.token)
+    env = clean_env(TMPDIR=str(nodes.dir), HOME=str(home), RAY_ADDRESS=nodes.address)
+    cfg = fake_config(tmp_path / "serve.yaml", replicas=1, replica={"num_cpus": 0.25}, ray={"num_cpus": 1},
+                      gateway={"http_port": 0})  # fmt: skip
+    s = Serve(cfg, env=env)
+    try:
+        s.wait_serving(http=False)
+        st = status(s.grpc)
+    finally:
+        assert s.stop() == 0, s.out
+    assert "vtoken: started a local Ray" in s.out, s.out
+    theirs = nodes.node_ids(alive=False)
+    assert st["replicas"][0]["node_id"] and st["replicas"][0]["node_id"] not in theirs
+    assert st["controller_node_id"] not in theirs
+    assert nodes.jobs() == 0  # no driver of ours ever connected to this cluster
 
 
 @pytest.fixture(scope="module")
