@@ -77,28 +77,28 @@ class Controller(ReplicaLifecycle):
         self.stopping = False  # shutdown began: nothing is created or taken over any more
         self.where = _where()  # (node ip, node id, pid) of this controller, for vtoken status
         self.restarted = _reconstructed()  # Ray restarted this actor: take over the live replicas first
-        self.restarted_at = time.monotonic()
         self.adopt_until = 0.0
 
     def _ensure_running(self) -> None:
-        """The monitor loop runs; after a restart, the live replicas are taken over first (so that the loop does
-        not start new ones in their place). Called at the top of every call: a restarted controller gets no
-        ``start()``, its first call comes from a replica's report or the gateway within a second."""
-        if self._loop is not None or self.stopping:
+        """After a restart: the live replicas taken over, then the monitor loop started (so that the loop does not
+        start new replicas in their place). Called at the top of every call, because a restarted controller gets
+        no ``start()``: its first call comes from a replica's report or the gateway within a second. A controller
+        that was not restarted starts its loop in ``start()``."""
+        if not self.restarted or self._loop is not None or self.stopping:
             return
-        if self.restarted:
-            found = self._recover()
-            self.target = max(found, 1) if found else self.target
-            self.adopt_until = time.monotonic() + ADOPT_WINDOW_S
-            log.warning("controller restarted: took over %d live replicas; target %d", found, self.target)
+        found = self._recover()
+        self.target = max(found, 1) if found else self.target
+        self.adopt_until = time.monotonic() + ADOPT_WINDOW_S
+        log.warning("controller restarted: took over %d live replicas; target %d", found, self.target)
         self._loop = asyncio.ensure_future(self._monitor())
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 600) -> int:
         """Create the replicas and wait until ``target`` of them are healthy; returns how many are."""
-        if self._loop is None and not self.restarted:
-            self._reconcile()
         self._ensure_running()
+        if self._loop is None:
+            self._reconcile()
+            self._loop = asyncio.ensure_future(self._monitor())
         t_end = time.monotonic() + timeout_s
         while self._count(S.HEALTHY) < self.target and time.monotonic() < t_end:
             if self._count(S.FAILED):
