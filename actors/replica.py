@@ -10,6 +10,13 @@ lists the requests whose blocks its figures count: the controller keeps a reques
 its blocks are never counted twice (promise and ``free_blocks``) nor not at all (promise dropped, figures
 older than the admission).
 
+A replica is a detached actor (cluster/lifecycle.py says why): it outlives a controller that dies, reports to
+the restarted one through the same handle (Ray restarts the controller under the same actor id), and is killed
+by its controller on scale-in and shutdown. A replica whose controller is gone for good (its `vtoken serve` ended
+without a shutdown: killed, its machine lost) has nobody left to stop it: after ``orphan_after_s`` of such
+answers (``replica.orphan_after_s`` in the config) it shuts its engine down and has Ray kill it for good, so
+nothing is left running on the cluster.
+
 An engine that dies under a live replica (vLLM's EngineCore process killed, out of memory) is noticed by the
 next request or report: the replica logs it once, answers requests ``unavailable`` (the gateway places those
 that streamed nothing elsewhere) and reports itself unhealthy with the reason. The controller then stops
@@ -23,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +43,13 @@ from vtoken.pool_report import PoolReport
 
 log = logging.getLogger("vtoken.replica")
 REPORT_TIMEOUT_S = 60.0  # an engine step can hold a report back; a pool report that takes longer is a fault
+ORPHAN_AFTER_S = 30.0  # the controller dead for good this long (not restarting): the replica stops itself
+
+
+def _in_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and bool(ray.get_runtime_context().get_actor_id())
 
 
 def _incarnation() -> str:
@@ -54,9 +69,11 @@ class Replica:
         report_interval_s: float = 1.0,
         change_fraction: float = 0.05,
         poll_s: float = 0.2,
+        orphan_after_s: float = ORPHAN_AFTER_S,
     ):
         self.name, self.factory, self.controller = name, factory, controller
         self.report_interval_s, self.change_fraction, self.poll_s = report_interval_s, change_fraction, poll_s
+        self.orphan_after_s = orphan_after_s
         self.incarnation = _incarnation()
         self.engine: Engine | None = None
         self.error = ""  # why there is no engine now
@@ -69,6 +86,10 @@ class Replica:
         self._report_failing = False
         self._sender = TokenSender()
         self._node = ""
+        self._where: tuple[str, str, int] | None = None  # (node ip, node id, pid), once known
+        self._orphaned_at: float | None = None  # when the controller was first found dead for good
+        if controller is not None and _in_actor():  # watch for a start that never comes
+            threading.Thread(target=self._watch_unstarted, name="replica-orphan-watch", daemon=True).start()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -176,6 +197,15 @@ class Replica:
             self._node = ray.util.get_node_ip_address()
         return self._node
 
+    def where(self) -> tuple[str, str, int]:
+        """(node ip, node id, pid): where this replica runs, for its reports (outside Ray: no node)."""
+        if self._where is None:
+            import ray
+
+            node = (self._node_ip(), ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ("", "")
+            self._where = (*node, os.getpid())
+        return self._where
+
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:
             await self.engine.abort(request_id)
@@ -203,6 +233,7 @@ class Replica:
             time.time(),
             pool,
             self.error,
+            *self.where(),
         )
 
     async def _pool_report(self, engine: Engine) -> PoolReport:
@@ -247,10 +278,55 @@ class Replica:
                 if self._report_failing:
                     log.info("replica %s: reports reach the controller again", self.name)
                     self._report_failing = False
+                self._orphaned_at = None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a slow or restarting controller must not stop the reports
                 if not self._report_failing:  # once per outage, not once per poll
                     log.warning("replica %s: report failed: %s (retrying every %.1fs)", self.name, e, self.poll_s)
                     self._report_failing = True
+                if await self._orphaned(e):
+                    return
             await asyncio.sleep(self.poll_s)
+
+    def _watch_unstarted(self, every_s: float = 10.0) -> None:
+        """Until ``start()`` is called: a controller that died for good before it could call it (its `vtoken serve`
+        killed while this replica's process was still starting) leaves this actor idle forever, holding its CPUs.
+        A thread, because nothing else runs in an actor nobody calls. Once started, the report loop watches."""
+        import ray
+
+        while self._starting is None:
+            time.sleep(every_s)
+            try:
+                ray.get(self.controller.__ray_ready__.remote(), timeout=every_s)
+                self._orphaned_at = None
+            except ray.exceptions.ActorDiedError:
+                now = time.monotonic()
+                self._orphaned_at = self._orphaned_at or now
+                if self._starting is None and now - self._orphaned_at >= self.orphan_after_s:
+                    log.warning("replica %s: its controller is gone for good and never started it; stopping", self.name)
+                    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                    return
+            except Exception:  # slow, or being restarted: it may still start this replica
+                self._orphaned_at = None
+
+    async def _orphaned(self, e: Exception) -> bool:
+        """True (after stopping this replica for good) once the controller has been dead for good for
+        ``orphan_after_s``. Ray says ActorDiedError only when it will not restart the actor (its owner, `vtoken
+        serve`, is gone); a controller being restarted answers ActorUnavailableError, and the replica waits."""
+        import ray
+
+        if not isinstance(e, ray.exceptions.ActorDiedError):
+            self._orphaned_at = None
+            return False
+        now = time.monotonic()
+        self._orphaned_at = self._orphaned_at or now
+        if now - self._orphaned_at < self.orphan_after_s:
+            return False
+        log.warning("replica %s: its controller is gone for good (its vtoken serve ended); stopping", self.name)
+        self._reporter = None  # this is the report loop: shutdown() must not cancel it half-way
+        with contextlib.suppress(Exception):
+            await self.drain(5.0)
+            await self.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        return True

@@ -30,6 +30,11 @@ class ReplicaReport(NamedTuple):
     time: float
     pool: PoolReport
     error: str = ""  # why it is not healthy
+    # Where it runs, so an operator can find it (vtoken status, /metrics' vtoken:replica_info): its Ray node's
+    # address and id, and its process (a new one after every restart).
+    node_ip: str = ""
+    node_id: str = ""
+    pid: int = 0
 
 
 def unreported(name: str = "") -> ReplicaReport:

@@ -17,7 +17,11 @@ def add_cli(sub) -> None:
         "serve", help="serve a model on Ray behind gRPC and OpenAI-compatible HTTP gateways (Ctrl-C stops cleanly)"
     )
     p.add_argument("--config", required=True, help="serve config, e.g. configs/serve.yaml")
-    p.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
+    p.add_argument(
+        "--address",
+        help="join this Ray cluster: HOST:PORT of its head (the GCS port, 6379 by default), or auto (the one "
+        "`ray start` recorded here); default: a local Ray of its own, never one left on the machine",
+    )
     p.add_argument("--host", help="override gateway.host")
     p.add_argument("--port", type=int, help="override gateway.port, gRPC (0: any free port)")
     p.add_argument("--http-port", type=_http_port, help="override gateway.http_port (0: no HTTP; any: any free port)")
@@ -183,40 +187,86 @@ def _serve(args) -> int:
             "(/tmp/ray/session_latest/logs by default); --verbose shows them here",
             flush=True,
         )
+    local = not (args.address or cfg.ray.address)
+    print("vtoken: starting Ray" if local else f"vtoken: joining Ray at {args.address or cfg.ray.address}", flush=True)
+    code = _start_ray(cfg, args)
+    if code is not None:
+        return code
     try:
-        return asyncio.run(_serve_async(cfg, args))
-    except KeyboardInterrupt:  # while Ray itself was starting, before our handlers were installed
+        return asyncio.run(_serve_async(cfg, args, local))
+    except KeyboardInterrupt:  # between Ray's start and our signal handlers
         print("vtoken serve: interrupted during start-up; stopped", file=sys.stderr)
         return 130
 
 
+def _start_ray(cfg, args) -> int | None:
+    """Ray started or joined (None), or the exit code after one line saying why not. In the main thread, before
+    the event loop: Ray's start waits in short joins (cluster/ray_connect.py), so Ctrl-C and the deadline are
+    heard at once even while ``ray.init`` is stuck inside Ray's C++ client. Such a stuck call cannot be undone
+    or waited for, so these two ways out end the process at once (``os._exit``) instead of running Ray's atexit
+    shutdown against a half-made connection; a local Ray's processes die with us (Ray starts them so)."""
+    from cluster.ray_connect import RayUnavailable, connect
+
+    try:
+        print(f"vtoken: {connect(cfg, args.address, verbose=args.verbose)}", flush=True)
+        return None
+    except RayUnavailable as e:
+        print(f"vtoken serve: {e}", file=sys.stderr, flush=True)
+        code = 1
+    except KeyboardInterrupt:
+        print("vtoken serve: interrupted while starting Ray; stopped", file=sys.stderr, flush=True)
+        code = 130
+    import logging
+
+    logging.shutdown()
+    os._exit(code)
+
+
 async def _watch_replicas(controller, every_s: float = 2.0) -> None:
-    """Our own progress while serving: a line whenever a replica changes state (dies, serves again)."""
-    states: dict[str, str] = {}
+    """Our own progress while serving: a line whenever a replica changes state (dies, serves again) and where it
+    runs, and when the controller stops answering (Ray restarts it) and answers again."""
+    states: dict[str, tuple[str, int]] = {}  # name -> (state, pid)
+    lost_at: float | None = None
+    pid = None  # the controller's process: a new one is a restart, even one quicker than a poll
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(every_s)
         try:
-            rows = (await controller.status.remote())["replicas"]
-        except Exception:  # the controller is restarting or stopping: nothing to say yet
+            st = await asyncio.wait_for(controller.status.remote(), 10)
+        except Exception as e:  # restarting (or stopping): say so once
+            if lost_at is None:
+                lost_at = loop.time()
+                print(f"vtoken: the controller is not answering ({type(e).__name__}); Ray restarts it", flush=True)
             continue
-        now = {r["name"]: r["state"] for r in rows}
-        for name, state in now.items():
-            if states and states.get(name) != state:
-                print(f"vtoken: replica {name} is {state}", flush=True)
+        rows = st["replicas"]
+        if lost_at is not None or pid not in (None, st["controller_pid"]):
+            serving = sum(r["state"] == "healthy" for r in rows)
+            after = f" after {loop.time() - lost_at:.0f}s" if lost_at is not None else ""
+            print(f"vtoken: the controller answers again{after} (restarted, pid {st['controller_pid']}); it took over "
+                  f"{len(rows)} replicas, {serving} serving", flush=True)  # fmt: skip
+            lost_at = None
+        pid = st["controller_pid"]
+        now = {r["name"]: (r["state"], r.get("pid", 0)) for r in rows}
+        for r in rows:
+            was = states.get(r["name"])
+            if not states or was == now[r["name"]] or (was and was[0] == r["state"] and not r.get("pid")):
+                continue
+            where = f" (node {r['node_ip']} {r['node_id'][:8]}, pid {r['pid']})" if r.get("pid") else ""
+            # the same state in another process: it died and came back between two looks
+            how = f"restarted, {r['state']}" if was and was[0] == r["state"] else r["state"]
+            print(f"vtoken: replica {r['name']} is {how}{where}", flush=True)
         states = now
 
 
-async def _serve_async(cfg, args) -> int:
+async def _serve_async(cfg, args, local: bool) -> int:
     import ray
 
-    from cluster.server import serving, start_ray
+    from cluster.server import serving
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before Ray starts: a Ctrl-C during its start is heard after it
+    for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print("vtoken: starting Ray", flush=True)
-    local = start_ray(cfg, args.address, verbose=args.verbose)
     print(f"vtoken: starting {cfg.replicas} replicas of {cfg.model}; Ctrl-C stops", flush=True)
     started = asyncio.Event()
 
@@ -258,8 +308,12 @@ async def _serve_async(cfg, args) -> int:
         except (ValueError, OSError, RuntimeError) as e:  # a failed start: the reason, not a traceback
             print(f"vtoken serve: {e}", file=sys.stderr, flush=True)
             return 2 if isinstance(e, ValueError | OSError) else 1
+        except ray.exceptions.RayError as e:  # the controller lost during start-up
+            print(f"vtoken serve: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            return 1
         free = [f"{r.name} {r.pool.free_blocks}/{r.pool.total_blocks}" for r in s.final_reports]
-        print(f"vtoken: stopped; free blocks after drain: {', '.join(free)}", flush=True)
+        drained = f"free blocks after drain: {', '.join(free)}" if free else "no replica reported after its drain"
+        print(f"vtoken: stopped; {drained}", flush=True)
         return 0
     finally:
         stopped.cancel()

@@ -67,6 +67,17 @@ class ReplicaConfig(_Strict):
     change_fraction: float = Field(
         0.05, gt=0, le=1, description="report at once when free blocks move by this fraction of the pool"
     )
+    scheduling: Literal["spread", "default"] = Field(
+        "spread",
+        description="where Ray places replicas: spread (across nodes, so one node lost takes as few replicas as "
+        "can be; Ray Serve's default too) or default (Ray's default, which packs a node before the next)",
+    )
+    orphan_after_s: float = Field(
+        30.0,
+        gt=0,
+        description="a replica whose controller is gone for good (its vtoken serve ended without stopping it: "
+        "killed, its node lost) stops itself after this long, so nothing is left running on a cluster",
+    )
     pin_cpus: bool = Field(
         False,
         description="CPU-only nodes: bind each replica's vLLM threads to cores of its "
@@ -213,9 +224,18 @@ class GatewayConfig(_Strict):
 
 
 class RayConfig(_Strict):
-    address: str | None = Field(None, description="join this cluster; null starts an embedded local Ray")
-    namespace: str = Field("vtoken", description="Ray namespace of the controller and replicas")
+    address: str | None = Field(
+        None,
+        description="join this cluster (HOST:PORT of its GCS, or auto: the one `ray start` recorded here); null "
+        "starts a local Ray of our own, whatever RAY_ADDRESS or an earlier `ray start` left on the machine",
+    )
+    namespace: str = Field(
+        "vtoken", description="Ray namespace of the controller and replicas (with `name`, what identifies a service)"
+    )
     num_cpus: int | None = Field(None, gt=0, description="CPUs of the embedded local Ray (null: all)")
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="longest wait to start a local Ray or join a cluster; then one line and exit code 1"
+    )
 
 
 class ServeConfig(_Strict):

@@ -9,6 +9,14 @@ lists it as admitted (that report's ``free_blocks`` counts its blocks) or until 
 is first. Dropping it at the first token instead would count its blocks twice while they are allocated but
 unreported (prefill), or not at all when the report is older than the admission. A replica that stops serving
 loses its promises (``ReplicaLifecycle._transition``).
+
+A controller that dies is restarted by Ray (``max_restarts``, on the node of `vtoken serve`: cluster/server.py)
+under the same actor id, so the gateway's and the replicas' handles keep working. The new incarnation knows
+nothing: at its first call it takes over every live replica of the service by name (``_recover``), and from
+their reports (the next within a second) it knows again which serve, how full they are and where they run.
+Meanwhile the replicas keep serving what they have; new requests wait for placement (the gateway retries for
+``gateway.place_timeout_s``). Promises and counters start again from zero; the target replica count becomes the
+replicas found (a `vtoken scale` or an autoscaler decision made before the restart is kept so).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import ray
 from actors.report import ReplicaReport
 from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
-from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env
+from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
 from cluster.placement import ReplicaView, make_strategy
 from cluster.replica_status import ReplicaStatus
 from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
@@ -33,6 +41,7 @@ from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
 log = logging.getLogger("vtoken.controller")
 __all__ = ["Controller", "Promise", "ReplicaState", "replica_env"]
 S = ReplicaStatus
+ADOPT_WINDOW_S = 120.0  # after a restart, a report from a replica not taken over yet takes it over this long
 
 
 class Promise(NamedTuple):
@@ -65,12 +74,31 @@ class Controller(ReplicaLifecycle):
         self.recoveries: collections.deque[float] = collections.deque(maxlen=100)
         self._tasks: set[asyncio.Future] = set()  # fire-and-forget work (drains), held until done
         self._loop: asyncio.Task | None = None
+        self.stopping = False  # shutdown began: nothing is created or taken over any more
+        self.where = _where()  # (node ip, node id, pid) of this controller, for vtoken status
+        self.restarted = _reconstructed()  # Ray restarted this actor: take over the live replicas first
+        self.adopt_until = 0.0
+
+    def _ensure_running(self) -> None:
+        """After a restart: the live replicas taken over, then the monitor loop started (so that the loop does not
+        start new replicas in their place). Called at the top of every call, because a restarted controller gets
+        no ``start()``: its first call comes from a replica's report or the gateway within a second. A controller
+        that was not restarted starts its loop in ``start()``."""
+        if not self.restarted or self._loop is not None or self.stopping:
+            return
+        found = self._recover()
+        self.target = max(found, 1) if found else self.target
+        self.adopt_until = time.monotonic() + ADOPT_WINDOW_S
+        log.warning("controller restarted: took over %d live replicas; target %d", found, self.target)
+        self._loop = asyncio.ensure_future(self._monitor())
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 600) -> int:
         """Create the replicas and wait until ``target`` of them are healthy; returns how many are."""
-        self._reconcile()
-        self._loop = asyncio.ensure_future(self._monitor())
+        self._ensure_running()
+        if self._loop is None:
+            self._reconcile()
+            self._loop = asyncio.ensure_future(self._monitor())
         t_end = time.monotonic() + timeout_s
         while self._count(S.HEALTHY) < self.target and time.monotonic() < t_end:
             if self._count(S.FAILED):
@@ -80,6 +108,7 @@ class Controller(ReplicaLifecycle):
 
     async def shutdown(self, timeout_s: float = 30) -> list[ReplicaReport]:
         """Drain every replica and kill it; returns each replica's final report (all blocks free)."""
+        self.stopping = True
         if self._loop:
             self._loop.cancel()
         finals = await asyncio.gather(*(self._drain(st, timeout_s, "shutdown") for st in list(self.replicas.values())))
@@ -87,8 +116,14 @@ class Controller(ReplicaLifecycle):
 
     # ------------------------------------------------------------------ reports and promises
     async def report(self, name: str, r: ReplicaReport) -> None:
+        self._ensure_running()
         st = self.replicas.get(name)
+        if st is None and self._may_adopt(name) and self._adopt(name, "it reported after a controller restart"):
+            st = self.replicas[name]
         if st is None or not st.state.takes_reports():
+            return
+        if r.draining and st.state is not S.DRAINING:  # the incarnation before a restart was draining it
+            self._spawn(self._drain(st, why="it was draining when the controller restarted"))
             return
         if st.report.incarnation != r.incarnation:  # a new process or engine: old promises are void
             self._void_promises(name)
@@ -98,6 +133,11 @@ class Controller(ReplicaLifecycle):
                 del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
         self._on_health(st, r)
+
+    def _may_adopt(self, name: str) -> bool:
+        return (
+            not self.stopping and time.monotonic() < self.adopt_until and name.startswith(replica_prefix(self.cfg.name))
+        )
 
     def _void_promises(self, name: str) -> None:
         self.promises = {k: p for k, p in self.promises.items() if p.replica != name}
@@ -176,6 +216,8 @@ class Controller(ReplicaLifecycle):
         return n
 
     def _reconcile(self) -> None:
+        if self.stopping:
+            return
         active = [st for st in self.replicas.values() if st.state.active()]
         for _ in range(self.target - len(active)):
             self._create()
@@ -200,6 +242,7 @@ class Controller(ReplicaLifecycle):
     ) -> tuple | None:
         """(name, handle) of the replica chosen for the request, or None if no replica can take it now.
         ``tokens``: the request's prompt and max_tokens (work the replica's reports do not count yet)."""
+        self._ensure_running()
         views = [v for v in self._views() if v.name not in exclude]
         if not views:
             return None
@@ -222,9 +265,30 @@ class Controller(ReplicaLifecycle):
     async def status(self) -> dict[str, Any]:
         from cluster.status import cluster_status
 
+        self._ensure_running()
         return cluster_status(take_snapshot(self))
 
     async def snapshot(self) -> ClusterSnapshot:
         """Every replica's status, last report and promised blocks, and the cumulative placement and scaling
         counts (cluster.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
+        self._ensure_running()
         return take_snapshot(self)
+
+
+def _reconstructed() -> bool:
+    """Whether this is a Ray actor that Ray restarted (False outside an actor, as in unit tests)."""
+    try:
+        ctx = ray.get_runtime_context()
+        return bool(ctx.get_actor_id()) and bool(ctx.was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
+def _where() -> tuple[str, str, int]:
+    """Where this controller runs: its node's address and id, and its process (no node outside Ray)."""
+    import os
+
+    try:
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+    except Exception:
+        return "", "", os.getpid()

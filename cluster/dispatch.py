@@ -29,6 +29,16 @@ from cluster.requests import ValidRequest
 from vtoken.budget import peak_blocks
 
 log = logging.getLogger("vtoken.gateway")
+# What a call to a replica raises when the replica, its process or its node is gone (not a fault of ours, nor the
+# request's): the request is placed again elsewhere before its first token, UNAVAILABLE after it. A replica's own
+# exception (RayTaskError) stays a fault of ours: INTERNAL.
+LOST = (
+    ray.exceptions.RayActorError,  # died, or unreachable while Ray restarts it (ActorUnavailableError)
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.LocalRayletDiedError,
+    ray.exceptions.ObjectLostError,
+)
 
 # Why a request ended without completing; each door maps these to its own status codes.
 CODES = (
@@ -108,8 +118,14 @@ class Dispatcher:
             raise Refused("internal", internal_message(req.request_id, rid)) from None
         finally:
             self.inflight -= 1
-            self.controller.finished.remote(rid)  # release the promise whatever happened
+            self._tell("finished", rid)  # release the promise whatever happened
             timer.done(outcome)
+
+    def _tell(self, method: str, *args) -> None:
+        """A call to the controller whose answer nobody waits for; a controller being restarted misses it (it
+        rebuilds promises and statuses from the replicas' reports)."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            getattr(self.controller, method).remote(*args)
 
     async def _serve(self, req: ValidRequest, rid: str) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
@@ -124,9 +140,9 @@ class Dispatcher:
         spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
-            placed = await self._place(rid, need, tried, deadline, len(req.prompt_token_ids) + req.max_tokens)
+            placed, why = await self._place(rid, need, tried, deadline, len(req.prompt_token_ids) + req.max_tokens)
             if placed is None:
-                raise Refused("unavailable", "no live replica could take the request")
+                raise Refused("unavailable", f"no replica: {why}; retry the request")
             name, replica = placed
             tried.append(name)
             stream = self._open(name, replica, spec)
@@ -166,12 +182,12 @@ class Dispatcher:
                     yield Delta(name, chunk)
                     if chunk.finished:
                         return
-            except ray.exceptions.RayActorError as e:
+            except LOST as e:
                 done = True  # nothing left to abort on a dead replica
-                self.controller.mark_failed.remote(name, f"{type(e).__name__} during a request")
+                self._tell("mark_failed", name, f"{type(e).__name__} during a request")
                 if streamed:
                     raise Refused("unavailable", f"replica {name} died mid-stream; retry the request") from None
-                log.warning("replica %s died before request %s started; placing it again", name, rid)
+                log.info("replica %s died before request %s started; placing it again", name, rid)
             finally:
                 if not done:  # cancelled, deadline, or the client went away: free its blocks now
                     stream.cancel()
@@ -180,18 +196,28 @@ class Dispatcher:
         raise Refused("unavailable", f"request failed on {len(tried)} replicas: {', '.join(tried)}")
 
     async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None, tokens: int = 0):
-        """Ask the controller until a replica is available (it may be restarting), up to place_timeout_s."""
+        """Ask the controller until a replica is available (a replica or the controller itself may be
+        restarting), up to place_timeout_s: (name, handle), or None and why none."""
         loop = asyncio.get_running_loop()
         t_end = loop.time() + self.g.place_timeout_s
         if deadline is not None:
             t_end = min(t_end, deadline)
         while True:
-            placed = await self.controller.place.remote(rid, need, tuple(tried), tokens)
-            if placed is None and tried:  # everything else is down: the one that failed may be back
-                placed = await self.controller.place.remote(rid, need, (), tokens)
+            try:
+                placed, why = await self._ask_place(rid, need, tried, tokens, t_end), "no live replica can take it"
+            except (ray.exceptions.RayError, TimeoutError) as e:  # the controller is down or restarting
+                placed, why = None, f"the controller is not answering ({type(e).__name__}; Ray restarts it)"
             if placed is not None or loop.time() >= t_end:
-                return placed
+                return placed, why
             await asyncio.sleep(0.2)
+
+    async def _ask_place(self, rid: str, need: int, tried: list[str], tokens: int, t_end: float):
+        """One placement, bounded by ``t_end``: a call to a controller Ray is restarting waits for it."""
+        timeout = max(t_end - asyncio.get_running_loop().time(), 0.5)
+        placed = await asyncio.wait_for(self.controller.place.remote(rid, need, tuple(tried), tokens), timeout)
+        if placed is None and tried:  # everything else is down: the one that failed may be back
+            placed = await asyncio.wait_for(self.controller.place.remote(rid, need, (), tokens), timeout)
+        return placed
 
 
 def failure(chunk: Chunk | None, replica: str) -> tuple[str, str]:

@@ -10,6 +10,7 @@ unexpected INTERNAL with the request id (the traceback in the server log).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -114,13 +116,25 @@ class Gateway:
 
     # ------------------------------------------------------------------ RPCs
     async def get_cluster_status(self, request, context) -> pb.ClusterStatus:
-        return to_proto(await self.controller.status.remote())
+        return to_proto(await self._ask(context, self.controller.status.remote()))
 
     async def scale(self, request, context) -> pb.ScaleResponse:
-        limit, why = await self.controller.replica_limit.remote()
+        limit, why = await self._ask(context, self.controller.replica_limit.remote())
         if not 1 <= request.replicas <= limit:
             await context.abort(Code.INVALID_ARGUMENT, f"replicas must be between 1 and {limit} ({why})")
-        return pb.ScaleResponse(target_replicas=await self.controller.scale.remote(request.replicas))
+        target = await self._ask(context, self.controller.scale.remote(request.replicas))
+        return pb.ScaleResponse(target_replicas=target)
+
+    async def _ask(self, context, ref, timeout_s: float = 10.0):
+        """The controller's answer; UNAVAILABLE in one line when it is down or being restarted (never UNKNOWN with
+        Ray's multi-line ActorDiedError)."""
+        try:
+            return await asyncio.wait_for(ref, timeout_s)
+        except ray.exceptions.RayTaskError:  # the controller's own answer (an error of ours): not unavailability
+            raise
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            why = f"the controller is not answering ({type(e).__name__}; Ray restarts it): retry shortly"
+            await context.abort(Code.UNAVAILABLE, why)
 
     async def watch_capacity(self, request, context) -> AsyncIterator[pb.CapacityUpdate]:
         seq = 0
@@ -141,8 +155,9 @@ class Gateway:
         remaining = context.time_remaining()
         if remaining is not None and (req.deadline_s is None or remaining < req.deadline_s):
             req = req.model_copy(update={"deadline_s": remaining})
+        rid = uuid.uuid4().hex
         try:
-            async for d in self.dispatcher.stream(req, uuid.uuid4().hex, DOOR):
+            async for d in self.dispatcher.stream(req, rid, DOOR):
                 c = d.chunk
                 yield pb.GenerateResponse(
                     request_id=req.request_id,
@@ -156,6 +171,9 @@ class Gateway:
                 )
         except Refused as e:
             await context.abort(Code[e.code.upper()], e.message)
+        except asyncio.CancelledError:  # the client cancelled or went away: its fault-free end, one INFO line
+            log.info("request %s: the gRPC client went away; aborted", rid)
+            raise
 
 
 def _logprob(lp) -> pb.TokenLogprob:

@@ -12,7 +12,9 @@ SO_REUSEPORT), another address than loopback needs TLS or ``allow_insecure_remot
 its request at once, so its blocks are free again.
 
 Statuses: 400 bad input, 401 token, 404 unknown model or path, 413 body over ``max_request_bytes``, 429 over
-``max_inflight``, 503 no replica (or a replica lost before the answer started), 504 deadline, 500 a bug.
+``max_inflight``, 503 no replica (or a replica lost before the answer started), 504 deadline, 500 a bug. A
+client that goes away (mid-body, while waiting, mid-stream) is one INFO line in the log (499, which nobody
+reads): the console shows ERROR only for our own faults.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
 from cluster.auth import auth_token, bearer_ok
@@ -44,7 +47,10 @@ DOOR = "http"
 
 
 class ClientGone(Exception):
-    """The client disconnected before the answer (or its first chunk) was ready."""
+    """The client disconnected before the answer (or its first chunk) was ready, or while sending its body.
+
+    A client that goes away is not our fault: it is logged at INFO in one line, never as an ERROR with a
+    traceback (50 clients gone mid-body once printed 2,200 lines on the console)."""
 
 
 class HttpGateway:
@@ -99,6 +105,9 @@ class HttpGateway:
 
         @app.exception_handler(Exception)
         async def unexpected(request: Request, e: Exception):
+            if isinstance(e, ClientDisconnect | ClientGone):  # a backstop: the handlers below catch it first
+                log.info("HTTP %s %s: the client went away", request.method, request.url.path)
+                return Response(status_code=499)
             rid = uuid.uuid4().hex
             log.exception("HTTP %s %s failed (server id %s)", request.method, request.url.path, rid)
             return error(500, internal_message("", rid))
@@ -152,6 +161,8 @@ class HttpGateway:
         try:
             raw = await read_body(request, self.g.max_request_bytes)
             return JSONResponse(tokenize_response(kind, load_json(raw), self.cfg, self.tok))
+        except ClientGone:
+            return gone_mid_body(request)
         except BodyTooLarge as e:
             return error(413, str(e))
         except BadRequest as e:
@@ -163,6 +174,9 @@ class HttpGateway:
         try:
             raw = await read_body(request, self.g.max_request_bytes)
             req = parse(load_json(raw), self.cfg, self.tok)
+        except ClientGone:
+            self.metrics.refused(DOOR, "cancelled")
+            return gone_mid_body(request)
         except BodyTooLarge as e:
             self.metrics.refused(DOOR, "resource_exhausted")
             return error(413, str(e))
@@ -173,7 +187,9 @@ class HttpGateway:
             self.metrics.refused(DOOR, "not_found")
             return error(404, str(e), "model")
         rid = uuid.uuid4().hex
-        answer = Answer(kind, rid, self.cfg.model_name, len(req.valid.prompt_token_ids), req.logprobs)
+        answer = Answer(
+            kind, rid, self.cfg.model_name, len(req.valid.prompt_token_ids), req.logprobs, req.continuous_usage
+        )
         deltas = self.dispatcher.stream(req.valid, rid, DOOR)
         try:
             if not req.stream:
@@ -186,15 +202,18 @@ class HttpGateway:
             return error(HTTP_STATUS[e.code], e.message, e.param)
         except ClientGone:
             await deltas.aclose()
+            log.info("request %s: the client went away while waiting for its answer; aborted", rid)
             return Response(status_code=499)  # nobody reads it; the request is aborted and its blocks free
         return AbortingStream(
-            _events(answer, first.chunk, deltas, req.include_usage),
+            _events(answer, first.chunk, deltas, req.include_usage, rid),
             media_type="text/event-stream",
             headers={"x-request-id": rid, "cache-control": "no-cache"},
         )
 
 
-async def _events(answer: Answer, first, deltas: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    answer: Answer, first, deltas: AsyncIterator, include_usage: bool, rid: str = ""
+) -> AsyncIterator[str]:
     try:
         yield answer.first_event() + answer.event(first)
         async for d in deltas:
@@ -203,6 +222,9 @@ async def _events(answer: Answer, first, deltas: AsyncIterator, include_usage: b
             yield answer.usage_event()
     except Refused as e:  # after the first chunk the status is sent: the error goes in the stream
         yield f"data: {_json(error_body(HTTP_STATUS[e.code], e.message, e.param))}\n\n"
+    except (GeneratorExit, asyncio.CancelledError):  # the stream was closed under us: the client went away
+        log.info("request %s: the client went away mid-stream after %d tokens; aborted", rid, answer.tokens)
+        raise
     finally:
         await deltas.aclose()  # a client gone mid-stream: abort the request in its engine now
     yield DONE
@@ -259,16 +281,25 @@ class BodyTooLarge(ValueError):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused as soon as it exceeds ``limit`` bytes (declared or streamed)."""
+    """The body, refused as soon as it exceeds ``limit`` bytes (declared or streamed); ClientGone when the
+    client disconnects before sending all of it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body of {declared} bytes exceeds gateway.max_request_bytes ({limit})")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise BodyTooLarge(f"request body exceeds gateway.max_request_bytes ({limit})")
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise BodyTooLarge(f"request body exceeds gateway.max_request_bytes ({limit})")
+    except ClientDisconnect:
+        raise ClientGone from None
     return bytes(body)
+
+
+def gone_mid_body(request: Request) -> Response:
+    log.info("HTTP %s %s: the client went away mid-body; nothing was started", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:

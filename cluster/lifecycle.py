@@ -5,11 +5,24 @@ adds placement, promises, reports and scaling on top. Every status change goes t
 which checks it against ``replica_status.TRANSITIONS``, voids the replica's promises whenever it does not
 serve afterwards (a promise counts blocks against a replica only placement can pick), keeps the death and
 recovery times, and logs the change with its reason.
+
+Replicas are **detached** Ray actors, named ``<name>-replica-<n>`` in the service's namespace. An actor that is
+not detached shares its owner's fate: when the controller that created them died (its node lost), Ray killed
+every replica with it, healthy ones on healthy nodes included, and nothing served until a person restarted
+everything. Detached, a replica outlives its controller and keeps serving; the controller (restarted by Ray,
+cluster/server.py) finds the live replicas by name and rebuilds its view from their reports (``_recover``).
+The other way, replicas owned by the `vtoken serve` process, would need that process to create every replica
+the controller asks for (scale-out, replacements) over a channel of its own; naming them is what Ray Serve does
+for its replicas too. What detached actors cost, nothing cleaning them up by itself, is paid here: the
+controller kills every replica it drains (scale-in, shutdown), `vtoken serve` kills whatever is left under the
+service's names when it stops and before it starts (cluster/server.py), and a replica whose controller is gone
+for good stops itself (actors/replica.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -27,6 +40,17 @@ from cluster.replica_status import ReplicaStatus, check_transition
 log = logging.getLogger("vtoken.controller")
 QUIET_KEYS = ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE")
 S = ReplicaStatus
+
+
+def replica_prefix(name: str) -> str:
+    """The names of a service's replicas start so (``<name>-replica-<n>``, n never reused by one controller)."""
+    return f"{name}-replica-"
+
+
+def replica_names(name: str) -> list[str]:
+    """The live (or restarting) replicas of service ``name`` in this process's Ray namespace, by name."""
+    prefix = replica_prefix(name)
+    return sorted(n for n in ray.util.list_named_actors() if isinstance(n, str) and n.startswith(prefix))
 
 
 def replica_env() -> dict[str, str]:
@@ -127,7 +151,7 @@ class ReplicaLifecycle:
     # ------------------------------------------------------------------ create, start, restart, drain
     def _create(self, died_at: float | None = None) -> None:
         self.seq += 1
-        name = f"{self.cfg.name}-replica-{self.seq}"
+        name = f"{replica_prefix(self.cfg.name)}{self.seq}"
         r = self.cfg.replica
         cores = self._free_cores() if r.pin_cpus else None
         env = {**replica_env(), **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
@@ -135,6 +159,8 @@ class ReplicaLifecycle:
             ray.remote(Replica)
             .options(
                 name=name,
+                lifetime="detached",  # outlives the controller: see the module's docstring
+                scheduling_strategy=r.scheduling.upper(),  # SPREAD: one node lost takes as few replicas as can be
                 num_cpus=r.num_cpus,
                 num_gpus=r.num_gpus,
                 max_restarts=r.max_restarts,
@@ -142,12 +168,41 @@ class ReplicaLifecycle:
                 max_concurrency=10000,
                 runtime_env={"env_vars": env},
             )
-            .remote(name, self.factory, ray.get_runtime_context().current_actor, r.report_interval_s, r.change_fraction)
+            .remote(
+                name,
+                self.factory,
+                ray.get_runtime_context().current_actor,
+                r.report_interval_s,
+                r.change_fraction,
+                orphan_after_s=r.orphan_after_s,
+            )
         )
         st = ReplicaState(name, handle, died_at=died_at, cores=cores)
         self.replicas[name] = st
         st.task = asyncio.ensure_future(self._start_replica(st))
         log.info("replica %s created", name)
+
+    def _adopt(self, name: str, why: str) -> bool:
+        """Take over the live replica ``name`` that another incarnation of this controller created (a restart);
+        False when it is gone. It starts as ``starting`` and serves again at its first healthy report (``start``
+        is idempotent: for a replica already serving it returns at once and its reports carry on)."""
+        if name in self.replicas:
+            return True
+        try:
+            handle = ray.get_actor(name)
+        except ValueError:  # killed meanwhile: nothing to take over
+            return False
+        st = ReplicaState(name, handle)
+        self.replicas[name] = st
+        with contextlib.suppress(ValueError):
+            self.seq = max(self.seq, int(name.rsplit("-", 1)[1]))
+        st.task = asyncio.ensure_future(self._start_replica(st))
+        log.info("replica %s taken over: %s", name, why)
+        return True
+
+    def _recover(self) -> int:
+        """After a restart: every live replica of this service, found by name, taken over. Returns how many."""
+        return sum(self._adopt(n, "alive after a controller restart") for n in replica_names(self.cfg.name))
 
     def _free_cores(self) -> str | None:
         """The lowest cores no live replica is bound to, ``max(1, num_cpus)`` of them ("2-3"); None when
@@ -240,8 +295,15 @@ class ReplicaLifecycle:
         """A replica silent for dead_after_s: a report waits for its engine's step (long prefills on a busy CPU
         take seconds), so ask the actor itself before calling it dead. Engine death is reported, not silent."""
         try:
-            await asyncio.wait_for(st.handle.ping.remote(), timeout=min(5.0, self.cfg.placement.dead_after_s))
-            st.alive_at = time.monotonic()
-            log.info("replica %s: no report for %.1fs, but it answers: busy, not dead", st.name, silent_s)
+            info = await asyncio.wait_for(st.handle.ping.remote(), timeout=min(5.0, self.cfg.placement.dead_after_s))
         except Exception as e:  # no answer, or the actor is gone
             await self.mark_failed(st.name, f"no report for {silent_s:.1f}s and no answer ({type(e).__name__})")
+            return
+        if not info["ready"]:
+            # It answers, but from a process without an engine: Ray restarted it (its process died, or its node
+            # was lost and Ray placed it again elsewhere) and nobody has started it yet. Nothing would: no
+            # request fails there (it refuses them, so they go elsewhere) and it sends no reports until started.
+            await self.mark_failed(st.name, f"no report for {silent_s:.1f}s; Ray restarted its process, not started")
+            return
+        st.alive_at = time.monotonic()
+        log.info("replica %s: no report for %.1fs, but it answers: busy, not dead", st.name, silent_s)

@@ -163,11 +163,20 @@ class ClusterCollector:
             labels=LABELS,
         )  # fmt: skip
         healthy = GaugeMetricFamily("vtoken:replica_healthy", "1 while the replica takes requests", labels=LABELS)
+        # Where each replica runs, as an info series (1, the facts in labels; join on replica), so the other series
+        # keep their labels when a replica moves to another node or process.
+        info = GaugeMetricFamily(
+            "vtoken:replica_info", "Where the replica runs: its Ray node's address and id, and its process",
+            labels=(*LABELS, "node_ip", "node_id", "pid", "state"),
+        )  # fmt: skip
         for r in snap.replicas:
             promised.add_metric([self.model, r.name], r.promised_blocks)
             healthy.add_metric([self.model, r.name], float(r.state.serving()))
+            rep = r.report
+            info.add_metric([self.model, r.name, rep.node_ip, rep.node_id, str(rep.pid or ""), str(r.state)], 1.0)
         yield promised
         yield healthy
+        yield info
         placed = CounterMetricFamily(
             "vtoken:placements", "Requests placed, by placement strategy and replica", labels=("strategy", "replica")
         )

@@ -4,8 +4,9 @@ the gateway's ``ValidRequest``. The door's own parts are the JSON itself, the mo
 model), streaming options, and the ``"vtoken": {...}`` extension field (a request's eviction options).
 
 Served: every sampling field vLLM serves (through ``to_sampling_params``), logprobs (chat: logprobs +
-top_logprobs; completions: logprobs=k), stream with stream_options.include_usage, text messages (system,
-developer, user, assistant) through the model's chat template, a prompt as text or token ids. Refused by name,
+top_logprobs; completions: logprobs=k), stream with stream_options (include_usage, continuous_usage_stats),
+text messages (system, developer, user, assistant) through the model's chat template, a prompt as text or token
+ids. Refused by name,
 because they would change the answer in ways the doors do not carry: n > 1, beam search, tools, structured
 outputs, prompt embeddings and non-text content, prompt logprobs and echo, custom chat templates
 (``requests.UNSERVED``). Informational fields (user, metadata, service_tier, ...) and unknown fields are
@@ -50,6 +51,7 @@ class OpenAIRequest(NamedTuple):
     stream: bool
     include_usage: bool
     logprobs: bool  # the client asked for log-probabilities
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage per chunk
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -100,8 +102,10 @@ def _request(parsed: Parsed, logprobs: bool, options: Any, cfg: ServeConfig) -> 
     eviction = vtoken_options(options, cfg.vtoken)
     valid = ValidRequest(request_id="", prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
                          eviction=eviction)  # fmt: skip
-    usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    return OpenAIRequest(valid, bool(req.stream), usage, logprobs)
+    # vLLM's should_include_usage (vllm/entrypoints/serve/utils/api_utils.py): continuous usage needs include_usage.
+    opts = req.stream_options if req.stream else None
+    usage = bool(opts and opts.include_usage)
+    return OpenAIRequest(valid, bool(req.stream), usage, logprobs, usage and bool(opts.continuous_usage_stats))
 
 
 def tokenize_response(kind: str, body: dict[str, Any], cfg: ServeConfig, tokenizer) -> dict[str, Any]:

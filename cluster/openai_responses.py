@@ -69,8 +69,13 @@ DONE = "data: [DONE]\n\n"
 class Answer:
     """One request's answer as its chunks arrive: the text, the tokens, their log-probabilities."""
 
-    def __init__(self, kind: str, rid: str, model: str, prompt_tokens: int, logprobs: bool):
+    def __init__(
+        self, kind: str, rid: str, model: str, prompt_tokens: int, logprobs: bool, continuous_usage: bool = False
+    ):
         self.chat = kind == "chat"
+        # stream_options.continuous_usage_stats (with include_usage), as vLLM serves it: every chunk carries the
+        # usage so far (GuideLLM sends it on every streamed request).
+        self.continuous_usage = continuous_usage
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{rid}"
         self.model, self.prompt_tokens, self.want_logprobs = model, prompt_tokens, logprobs
         self.created = int(time.time())
@@ -122,7 +127,7 @@ class Answer:
         if not self.chat:
             return ""
         delta = DeltaMessage(role="assistant", content="")
-        return sse(self._chunk(ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=None)))
+        return sse(self._chunk(ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=None), True))
 
     def event(self, c: Chunk) -> str:
         self.add(c)
@@ -141,7 +146,7 @@ class Answer:
                 logprobs=self._completion_logprobs(c.logprobs) if self.want_logprobs else None,
                 finish_reason=finish,
             )
-        return sse(self._chunk(choice))
+        return sse(self._chunk(choice, True))
 
     def usage_event(self) -> str:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
@@ -152,13 +157,17 @@ class Answer:
         )
         return sse(cls(id=self.id, object=kind, created=self.created, model=self.model, choices=[], usage=self.usage()))
 
-    def _chunk(self, choice):
+    def _chunk(self, choice, with_usage: bool = False):
+        """One stream chunk; with continuous usage stats on, the usage so far rides on it (vLLM's
+        chat_completion/serving.py and completion/serving.py ``include_continuous_usage``)."""
+        usage = {"usage": self.usage()} if with_usage and self.continuous_usage else {}
         if self.chat:
             return ChatCompletionStreamResponse(
-                id=self.id, object="chat.completion.chunk", created=self.created, model=self.model, choices=[choice]
-            )
+                id=self.id, object="chat.completion.chunk", created=self.created, model=self.model, choices=[choice],
+                **usage,
+            )  # fmt: skip
         return CompletionStreamResponse(
-            id=self.id, object="text_completion", created=self.created, model=self.model, choices=[choice]
+            id=self.id, object="text_completion", created=self.created, model=self.model, choices=[choice], **usage
         )
 
     def _completion_logprobs(self, lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> CompletionLogProbs:

@@ -103,10 +103,20 @@ def _is_field(part: Any) -> bool:
     return isinstance(part, str) and part.isidentifier() and part.islower() and part not in {"str", "int", "list"}
 
 
+def neutral(name: str, value: Any) -> bool:
+    """A value that asks for nothing: absent, empty, false, or ``response_format: {"type": "text"}`` (plain text
+    is what every answer is)."""
+    if value in (None, False, [], {}, ""):
+        return True
+    if name == "response_format":
+        return getattr(value, "type", None) == "text" and getattr(value, "json_schema", None) is None
+    return False
+
+
 def refuse_unserved(req) -> None:
     """Refuse, by name, what cannot work through the doors; a neutral value of any field is never an error."""
     for name, why in UNSERVED.items():
-        if getattr(req, name, None) not in (None, False, [], {}, ""):
+        if not neutral(name, getattr(req, name, None)):
             raise BadRequest(f"{name}: {why} ({GUIDE})", name)
     if getattr(req, "tool_choice", None) not in (None, "none", "auto"):
         raise BadRequest(f"tool_choice: tools are not supported ({GUIDE})", "tool_choice")
@@ -114,9 +124,6 @@ def refuse_unserved(req) -> None:
         raise BadRequest(f"n: only n=1 is supported, got {req.n}", "n")
     if EXTENSION in (req.vllm_xargs or {}):
         raise BadRequest("vllm_xargs.vtoken: set eviction options in the request's own `vtoken` field", "vllm_xargs")
-    opts = req.stream_options
-    if opts is not None and opts.continuous_usage_stats:
-        raise BadRequest("stream_options.continuous_usage_stats: not supported", "stream_options")
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -198,10 +205,7 @@ def messages(raw: Any, max_chars: int) -> list[dict[str, str]]:
             raise BadRequest(f"{where}.tool_calls: tools are not supported", f"{where}.tool_calls")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only (no images, audio, files)
-            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-                   for p in content):  # fmt: skip
-                raise BadRequest(f"{where}.content: only text parts are supported", f"{where}.content")
-            content = "".join(p["text"] for p in content)
+            content = _text_parts(content, where)
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content: expected a string or text parts", f"{where}.content")
         if not content.strip():
@@ -211,6 +215,27 @@ def messages(raw: Any, max_chars: int) -> list[dict[str, str]]:
     if chars > max_chars:
         raise BadRequest(f"messages: {chars} characters; the limit is {max_chars}", "messages")
     return out
+
+
+# vLLM's text content parts and where each keeps its text (vllm/renderers/chat_utils.py TEXT_PART_TYPES).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """A message's content parts as vLLM renders text-only content for a string chat template: the texts joined
+    by newlines, a part whose text is null skipped, a bare string taken as text. Anything else (images, audio,
+    files) is refused."""
+    texts = []
+    for p in parts:
+        if isinstance(p, str):
+            texts.append(p)
+            continue
+        key = TEXT_PARTS.get(p.get("type", "text")) if isinstance(p, dict) else None
+        if key is None or not isinstance(p.get(key), str | None):
+            raise BadRequest(f"{where}.content: only text parts are supported", f"{where}.content")
+        if p.get(key) is not None:
+            texts.append(p[key])
+    return "\n".join(texts)
 
 
 def prompt_ids(prompt: Any, tokenizer: Tokenizer, max_chars: int, add_special_tokens: bool = True) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,35 +21,25 @@ import ray
 
 from actors.report import ReplicaReport
 from cluster.config import ServeConfig, preflight
-from cluster.controller import Controller, replica_env
+from cluster.controller import Controller
 from cluster.dispatch import Dispatcher
 from cluster.gateway import Gateway, check_port
 from cluster.metrics import Metrics
+from cluster.ray_connect import RayUnavailable, connect  # noqa: F401 (RayUnavailable: re-exported)
 from cluster.requests import Tokenizer
 
 log = logging.getLogger("vtoken.server")
 
 
 def start_ray(cfg: ServeConfig, address: str | None = None, verbose: bool = True) -> bool:
-    """Join ``address`` (or cfg.ray.address), else start an embedded local Ray. True when local.
-    Not ``verbose``: Ray's own messages go to the log (ERROR and up on the terminal), and the workers' output
-    (the replicas, vLLM's EngineCore under them) stays in Ray's session logs; the workers log quietly too,
-    through the environment they inherit (vtoken.cli.QUIET_ENV), so those files stay small."""
-    address = address or cfg.ray.address
+    """Join ``address`` (or cfg.ray.address), else start a local Ray of our own (never one ``ray start`` left
+    behind), within ``ray.connect_timeout_s`` (cluster/ray_connect.py; RayUnavailable with one line otherwise).
+    True when local. Not ``verbose``: Ray's own messages go to the log (ERROR and up on the terminal), and the
+    workers' output (the replicas, vLLM's EngineCore under them) stays in Ray's session logs; the workers log
+    quietly too, through the environment they inherit (vtoken.cli.QUIET_ENV), so those files stay small."""
     if not ray.is_initialized():
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        kw: dict[str, Any] = {
-            "namespace": cfg.ray.namespace,
-            "include_dashboard": False,
-            "runtime_env": {"env_vars": replica_env()},
-        }
-        if not verbose:
-            kw.update(log_to_driver=False, logging_level=logging.ERROR)
-        if address:
-            ray.init(address=address, **kw)
-        else:
-            ray.init(num_cpus=cfg.ray.num_cpus, **kw)
-    return address is None
+        log.info("vtoken: %s", connect(cfg, address, verbose))
+    return not (address or cfg.ray.address)
 
 
 @dataclass
@@ -70,11 +59,8 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
     before starting anything when the deployment cannot start here."""
     preflight(cfg, local)
     check_ports(cfg)
-    ctl = (
-        ray.remote(Controller)
-        .options(name=f"{cfg.name}-controller", num_cpus=0, max_concurrency=10000)
-        .remote(cfg.model_dump(), local)
-    )
+    clear_leftovers(cfg)
+    ctl = start_controller(cfg, local)
     gateway = http = None
     try:
         # The HTTP door imports vLLM's protocol models (~10 s): while the replicas start, not after.
@@ -111,8 +97,60 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
         except ray.exceptions.RayError:
             finals = []
         ray.kill(ctl, no_restart=True)
+        kill_replicas(cfg, "left after the controller's shutdown")  # a controller that died while draining
         if "served" in locals():
             served.final_reports = finals
+
+
+def start_controller(cfg: ServeConfig, local: bool):
+    """The controller actor, on this node (the one `vtoken serve` runs on) and nowhere else: a controller on a
+    node that may go took the service with it (replicas then died with their owner; now they are detached, see
+    cluster/lifecycle.py). Pinned with Ray's node affinity, not soft: if this node goes, so does `vtoken serve`
+    and its gateways, and the controller has nothing left to serve. Ray restarts it when it dies
+    (``max_restarts``); the new incarnation takes over the live replicas (cluster/controller.py)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(Controller)
+        .options(
+            name=f"{cfg.name}-controller",
+            num_cpus=0,
+            max_concurrency=10000,
+            max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        )
+        .remote(cfg.model_dump(), local)
+    )
+
+
+def clear_leftovers(cfg: ServeConfig) -> None:
+    """Before a start: a service of this name that still serves in this namespace is an error (ValueError, one
+    line); replicas left by one that ended without a shutdown (killed, its node lost) are killed, so a new start
+    never finds their names taken."""
+    try:
+        ray.get_actor(f"{cfg.name}-controller")
+    except ValueError:  # no controller of this name: no service of this name runs
+        kill_replicas(cfg, "left by an earlier vtoken serve of this name")
+        return
+    raise ValueError(
+        f"name: a service named {cfg.name!r} already runs in Ray namespace {cfg.ray.namespace!r} (its controller "
+        "is alive); stop it, or give this one another name or ray.namespace"
+    )
+
+
+def kill_replicas(cfg: ServeConfig, why: str) -> int:
+    """Kill every replica of this service still registered under its name (they are detached: nothing else
+    would). Returns how many."""
+    from cluster.lifecycle import replica_names
+
+    killed = 0
+    for name in replica_names(cfg.name):
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            ray.kill(ray.get_actor(name), no_restart=True)
+            killed += 1
+            log.warning("replica %s killed: %s", name, why)
+    return killed
 
 
 def _import_http() -> asyncio.Future:

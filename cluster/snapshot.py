@@ -38,6 +38,7 @@ class ClusterSnapshot(NamedTuple):
     target: int = 0  # the target replica count now
     recent_decisions: tuple[dict[str, Any], ...] = ()  # the last few scaling decisions, oldest first
     last_recovery_s: float = 0.0  # seconds from the last replica death to serving again (0: none yet)
+    controller: tuple[str, str, int] = ("", "", 0)  # where the controller runs: node ip, node id, pid
 
 
 def take_snapshot(ctl: Any) -> ClusterSnapshot:
@@ -69,6 +70,7 @@ def take_snapshot(ctl: Any) -> ClusterSnapshot:
         ctl.target,
         tuple(ctl.decisions),
         ctl.recoveries[-1] if ctl.recoveries else 0.0,
+        getattr(ctl, "where", ("", "", 0)),
     )
 
 

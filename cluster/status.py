@@ -42,6 +42,10 @@ def cluster_status(snap: ClusterSnapshot) -> dict[str, Any]:
                 **{k: int(getattr(pool, f)) for k, f in POOL_FIELDS.items()},
                 "report_age_s": round(r.report_age_s, 2) if r.report_age_s >= 0 else -1.0,
                 "promised_blocks": r.promised_blocks,
+                # where it runs (from its last report; empty before the first)
+                "node_ip": r.report.node_ip,
+                "node_id": r.report.node_id,
+                "pid": r.report.pid,
             }
         )
     live = [row for r, row in zip(snap.replicas, rows) if r.state.serving()]
@@ -58,6 +62,9 @@ def cluster_status(snap: ClusterSnapshot) -> dict[str, Any]:
         "target_replicas": snap.target,
         "decisions": list(snap.recent_decisions),
         "last_recovery_s": snap.last_recovery_s,
+        "controller_node_ip": snap.controller[0],
+        "controller_node_id": snap.controller[1],
+        "controller_pid": snap.controller[2],
     }
 
 
@@ -71,6 +78,9 @@ def to_proto(status: dict[str, Any]):
         target_replicas=status["target_replicas"],
         decisions=[pb.ScalingDecision(**d) for d in status["decisions"]],
         last_recovery_s=status["last_recovery_s"],
+        controller_node_ip=status.get("controller_node_ip", ""),
+        controller_node_id=status.get("controller_node_id", ""),
+        controller_pid=status.get("controller_pid", 0),
     )
 
 
@@ -79,7 +89,11 @@ def from_proto(msg) -> dict[str, Any]:
 
     d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     for row in [*d.get("replicas", []), d.get("totals", {})]:  # JSON carries int64 as strings
-        row.update({k: int(row[k]) for k in FIELDS if k in row})
+        row.update({k: int(row[k]) for k in (*FIELDS, "pid") if k in row})
+    for k in ("node_ip", "node_id", "pid"):  # the totals row runs nowhere
+        d.get("totals", {}).pop(k, None)
+    if "controller_pid" in d:
+        d["controller_pid"] = int(d["controller_pid"])
     return d
 
 
@@ -94,12 +108,16 @@ COLUMNS = (
     ("running", "running"),
     ("waiting", "waiting"),
     ("report_age_s", "age_s"),
+    ("node_ip", "node"),
+    ("node_id", "node_id"),
+    ("pid", "pid"),
 )
+SHORT_ID = 8  # a node id in the table: its first 8 hex digits, enough to tell nodes apart (--json: all of it)
 
 
 def render_table(status: dict[str, Any]) -> str:
     rows = [*status.get("replicas", []), status.get("totals", {})]
-    table = [[h for _, h in COLUMNS]] + [[str(r.get(k, "")) for k, _ in COLUMNS] for r in rows]
+    table = [[h for _, h in COLUMNS]] + [[_cell(r, k) for k, _ in COLUMNS] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -108,7 +126,21 @@ def render_table(status: dict[str, Any]) -> str:
         f"placement: {status.get('placement')}   target replicas: {status.get('target_replicas')}"
         f"   last recovery: {float(status.get('last_recovery_s', 0)):.1f}s"
     )
+    if status.get("controller_pid"):
+        lines.append(
+            f"controller: node {status.get('controller_node_ip')} {str(status.get('controller_node_id'))[:SHORT_ID]}"
+            f", pid {status.get('controller_pid')}"
+        )
     for d in status.get("decisions", [])[-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(float(d.get("time", 0))))
         lines.append(f"  {when} {d.get('from_replicas')} -> {d.get('to_replicas')}: {d.get('reason')}")
     return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    value = row.get(key, "")
+    if key == "node_id":
+        return str(value)[:SHORT_ID]
+    if key == "pid" and not value:
+        return ""  # no report yet, or the totals row
+    return str(value)

@@ -21,6 +21,7 @@ def ensure_ray():
     os.environ.setdefault("RAY_worker_niceness", "0")
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a Ray of this test process's own, never one RAY_ADDRESS or `ray start` left behind
             num_cpus=4,
             include_dashboard=False,
             namespace="vtoken-tests",

@@ -161,7 +161,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("name", "state", "free_blocks", "total_blocks", "promised_blocks", "blocks_reclaimed", "blocks_freed", "live_tokens", "running", "waiting", "report_age_s")
+    __slots__ = ("name", "state", "free_blocks", "total_blocks", "promised_blocks", "blocks_reclaimed", "blocks_freed", "live_tokens", "running", "waiting", "report_age_s", "node_ip", "node_id", "pid")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,9 @@ class ReplicaStatus(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     free_blocks: int
@@ -184,7 +187,10 @@ class ReplicaStatus(_message.Message):
     running: int
     waiting: int
     report_age_s: float
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., promised_blocks: _Optional[int] = ..., blocks_reclaimed: _Optional[int] = ..., blocks_freed: _Optional[int] = ..., live_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., report_age_s: _Optional[float] = ...) -> None: ...
+    node_ip: str
+    node_id: str
+    pid: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., promised_blocks: _Optional[int] = ..., blocks_reclaimed: _Optional[int] = ..., blocks_freed: _Optional[int] = ..., live_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., report_age_s: _Optional[float] = ..., node_ip: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ScalingDecision(_message.Message):
     __slots__ = ("time", "from_replicas", "to_replicas", "reason")
@@ -199,20 +205,26 @@ class ScalingDecision(_message.Message):
     def __init__(self, time: _Optional[float] = ..., from_replicas: _Optional[int] = ..., to_replicas: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("replicas", "totals", "placement", "target_replicas", "decisions", "last_recovery_s")
+    __slots__ = ("replicas", "totals", "placement", "target_replicas", "decisions", "last_recovery_s", "controller_node_ip", "controller_node_id", "controller_pid")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_PID_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     totals: ReplicaStatus
     placement: str
     target_replicas: int
     decisions: _containers.RepeatedCompositeFieldContainer[ScalingDecision]
     last_recovery_s: float
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., totals: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., placement: _Optional[str] = ..., target_replicas: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[ScalingDecision, _Mapping]]] = ..., last_recovery_s: _Optional[float] = ...) -> None: ...
+    controller_node_ip: str
+    controller_node_id: str
+    controller_pid: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., totals: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., placement: _Optional[str] = ..., target_replicas: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[ScalingDecision, _Mapping]]] = ..., last_recovery_s: _Optional[float] = ..., controller_node_ip: _Optional[str] = ..., controller_node_id: _Optional[str] = ..., controller_pid: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("replicas",)
