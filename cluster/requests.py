@@ -208,9 +208,7 @@ def messages(raw: Any, max_chars: int) -> list[dict[str, str]]:
             content = _text_parts(content, where)
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content: expected a string or text parts", f"{where}.content")
-        if not content.strip():
-            raise BadRequest(f"{where}.content: must not be empty", f"{where}.content")
-        chars += len(content)
+        chars += len(content)  # an empty message is a message, as vLLM takes it: the template renders its turn
         out.append({"role": ROLES[role], "content": content})
     if chars > max_chars:
         raise BadRequest(f"messages: {chars} characters; the limit is {max_chars}", "messages")
