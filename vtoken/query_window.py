@@ -73,9 +73,13 @@ class QueryWindow:
         self.table = layout if isinstance(layout, TableLayout) else TableLayout(table_of(LAYOUTS[layout], block_size,
                                                                                          head_size))  # fmt: skip
         # This step's recorded queries: (buffer row, ring slot, token index in the forward, physical position), in
-        # index buffers of a fixed size.
+        # index buffers of a fixed size; and each query's flat row of ``q`` seen as [rows * layers * W, H, D], for
+        # every layer (an index_copy_ into a contiguous tensor: a strided index_put_ cost milliseconds a layer).
         self._idx = torch.zeros(4, rows, dtype=torch.long, device=self.device)
         self._host = torch.zeros(4, rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._flat = torch.zeros(len(kv_caches), rows, dtype=torch.long, device=self.device)
+        self._layer_base = (torch.arange(len(kv_caches), device=self.device) * window)[:, None]
+        self._q_rows = self.q.view(-1, heads, head_size)
         self._n = 0
         self.scale = 1.0
         self.owner: dict[str, int] = {}  # request -> its buffer row
@@ -111,6 +115,9 @@ class QueryWindow:
         host[2, :n], host[3, :n] = [e[1] for e in entries], [e[2] for e in entries]
         self._idx[:, :n].copy_(self._host[:, :n], non_blocking=True)
         self.pos.index_put_((self._idx[0, :n], self._idx[1, :n]), self._idx[3, :n])
+        layers = self._flat.shape[0]
+        torch.add(self._layer_base, (self._idx[0, :n] * layers * self.window + self._idx[1, :n])[None, :],
+                  out=self._flat[:, :n])  # fmt: skip
 
     def record(self, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, output=None) -> None:
         """One attention layer's hook: this step's recorded queries into their rows' ring slots (in place)."""
@@ -120,10 +127,10 @@ class QueryWindow:
         if layer is None:
             return
         n = self._n
-        rows, ring, tok = self._idx[0, :n], self._idx[1, :n], self._idx[2, :n]
+        tok = self._idx[2, :n]
         picked = torch.index_select(query, 0, tok, out=self._qtmp[:n]) if query.dtype == self._qtmp.dtype else (
             query.index_select(0, tok))  # fmt: skip
-        self.q[:, layer].index_put_((rows, ring), picked.to(self.q.dtype))
+        self._q_rows.index_copy_(0, self._flat[layer, :n], picked.to(self.q.dtype))
         self.scale = scale
 
     observe = record  # an observer of every attention layer, beside the scorer and the tier
