@@ -187,7 +187,7 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, 400, "messages.0.content", "empty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", "string"),
         ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "tool"),
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": -3}, 400, "max_tokens", "at least 1"),
         ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
