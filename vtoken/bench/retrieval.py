@@ -25,6 +25,8 @@ once into a pool that cannot hold it, where pressure mode has to evict as much a
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from vtoken.bench.agree import agreement, bare_prompt, question
@@ -58,6 +60,7 @@ def add_args(p) -> None:
     controls = "agree: also the question without its document, and full KV in bf16, scored the same way"
     p.add_argument("--controls", action="store_true", help=controls)
     p.add_argument("--no-full", action="store_true", help="skip the full-KV run (when merging with a run that has it)")
+    p.add_argument("--reference", default="", help="agree with --no-full: full KV's replies from this retrieval.json")
     p.add_argument("--merge", default="", help="retrieval.json files of earlier runs to combine (no engine runs)")
 
 
@@ -138,8 +141,6 @@ def _score(cases, texts: list[str], records: list[dict] | None = None, suite: Su
 
 def merge(paths: list[str]) -> dict:
     """Runs of the same suite, split to keep each engine run short, as one result (later runs win)."""
-    import json
-
     runs = [json.loads(open(p).read()) for p in paths]
     out = {k: v for k, v in runs[0].items() if k not in ("benchmark", "command", "settings", "machine", "seconds")}
     out["configs"], out["saturated"], out["merged_from"] = {}, {}, [r["command"] for r in runs]
@@ -179,11 +180,12 @@ def run(args) -> dict:
         args.lengths, args.depths = ("256", 2) if suite.name == "niah" else ("384", 3)
         args.modes, args.prefill_chunk, args.window, args.max_tokens = "always,park,pressure", 64, 8, 4
         args.park_tokens, args.saturate, args.saturate_kv_bytes = 4096, "snapkv@0.25:pressure", 1 << 20
-    if suite.needs_full and args.no_full:
-        raise SystemExit(f"--suite {suite.name} scores every reply against full KV's: it cannot run with --no-full")
+    if suite.needs_full and args.no_full and not args.reference:
+        raise SystemExit(f"--suite {suite.name} scores every reply against full KV's: --no-full needs --reference")
     folder = str(model_path(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
     cases = suite.build(tok, [int(n) for n in args.lengths.split(",")], args.depths)
+    full = _reference(args.reference, cases) if args.no_full and args.reference else None
     policies, modes = args.policies.split(","), args.modes.split(",")
     bad = sorted(set(modes) - set(MODES)) + sorted(set(policies) - set(POLICIES))
     if bad:
@@ -196,7 +198,6 @@ def run(args) -> dict:
               max_num_batched_tokens=args.prefill_chunk)  # fmt: skip
     log(f"[retrieval] {suite.name} ({suite.role}): {len(cases)} prompts x {1 + len(configs)} configurations")
     result: dict = {"model": args.model, "prompts": len(cases), "configs": {}, "controls": {}}
-    full = None
     if not args.no_full:
         with Engine(folder, "off", {"prefill_chunk": args.prefill_chunk}, **kw) as e:
             b = e.batch([c.prompt for c in cases], args.max_tokens)
@@ -222,6 +223,21 @@ def run(args) -> dict:
     result["saturated"] = _saturated(args, folder, tok, cases, kw, full) if args.saturate else {}
     result.update(settings(args, cases))
     return result
+
+
+def prompts_digest(cases) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([c.prompt for c in cases]).encode()).hexdigest()[:16]
+
+
+def _reference(path: str, cases) -> list[str]:
+    """Full KV's replies from an earlier run of the same prompts (a run split in two need not serve it twice)."""
+    ref = json.loads(open(path).read())
+    digest = ref.get("prompts_sha256")
+    if digest != prompts_digest(cases) or "full KV" not in ref.get("configs", {}):
+        raise SystemExit(f"--reference {path}: not a run of these prompts with full KV (prompts {digest})")
+    return ref["configs"]["full KV"]["answers"]
 
 
 def _saturated(args, folder, tok, cases, kw, full: list[str] | None = None) -> dict:
@@ -260,6 +276,7 @@ def settings(args, cases) -> dict:
             "metric": suite.metric,
             **({"text_sha256": idle_text.digest(text())} if text else {}),
         },
+        "prompts_sha256": prompts_digest(cases),
         "lengths": sorted({c.length for c in cases}),
         "tasks": sorted({c.task for c in cases}),
         "prefill_chunk": args.prefill_chunk,
@@ -296,7 +313,7 @@ def _f1(r: dict) -> str:
 
 def tables(result: dict) -> list[Table]:
     full = result["configs"].get("full KV", {"hits": 0, "n": 0, "accuracy": 0.0, "ci95": [0.0, 0.0]})
-    agree = "agreement" in full
+    agree = bool(full.get("agreement"))
     rows = [["full KV (off)", "-", "-", _acc(full), "-", "-", "-", "-", "-"] + ([_f1(full)] if agree else [])]
     for name, r in result["configs"].items():
         if name == "full KV":
