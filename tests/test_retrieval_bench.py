@@ -28,7 +28,10 @@ def test_saturated_tier_only_for_park_and_pressure(monkeypatch):
         e.served += [retrieval.label(*c) for c in configs]
         rec = {"mean_retained_blocks": 1, "peak_retained_blocks": 1, "mean_naive_retained_blocks": 1,
                "peak_naive_retained_blocks": 1, "peak_over_bound": 0}  # fmt: skip
-        return {retrieval.label(*c): {"texts": ["x"], "records": [rec], "preempted": 0, "queued": 0} for c in configs}
+        return {
+            retrieval.label(*c): {"texts": ["x"], "records": [rec], "preempted": 0, "queued": 0, "most_in_flight": 1}
+            for c in configs
+        }
 
     monkeypatch.setattr(retrieval, "Engine", FakeEngine)
     monkeypatch.setattr(retrieval, "_serve", fake_serve)

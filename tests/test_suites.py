@@ -229,6 +229,11 @@ def test_merge_refuses_another_suite_and_other_full_kv_replies(tmp_path):
     assert retrieval.merge([old, run("f", "niah", ["x", "y"])])["prompts"] == 2
 
 
+def test_most_in_flight_counts_overlapping_requests():
+    assert retrieval._most_in_flight([(0, 2), (1, 3), (2.5, 4), (5, 6)]) == 2
+    assert retrieval._most_in_flight([(0, 9)] * 4 + [(10, 11)]) == 4
+
+
 def test_tables_say_which_suite_and_its_role():
     base = {"model": "m", "prompts": 1, "lengths": [1024], "tasks": ["agree"], "prefill_chunk": 256}
     full = {"hits": 1, "n": 1, "accuracy": 1.0, "ci95": [0.2, 1.0], "agreement": {"mean": 1.0, "ci95": [1, 1]}}

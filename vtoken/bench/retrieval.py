@@ -105,7 +105,21 @@ def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args) -> dic
         r["records"][i] = s.record
         r["preempted"] += s.preemptions
         r["queued"] += s.scheduled_ts > first_done  # first scheduled after another request had finished: it waited
+    most = _most_in_flight([(s.scheduled_ts, s.last_token_ts) for s in b.served])
+    for r in out.values():
+        r["most_in_flight"] = most
     return out
+
+
+def _most_in_flight(spans: list[tuple[float, float]]) -> int:
+    """The most requests between their first scheduling and their last token at one moment (the batch's, all
+    configurations together): with a pool that saturates it stays well under the number of requests."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
 
 
 def _score(cases, texts: list[str], records: list[dict] | None = None, suite: Suite = SUITES["niah"],
@@ -258,6 +272,7 @@ def _saturated(args, folder, tok, cases, kw, full: list[str] | None = None) -> d
                 out[label(*c)] = _score(cases, r["texts"], r["records"], SUITES[args.suite], full)
                 out[label(*c)]["preemptions"] = r["preempted"]
                 out[label(*c)]["queued"] = r["queued"]
+                out[label(*c)]["most_in_flight"] = r["most_in_flight"]
                 log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
     return {label(*c): out[label(*c)] for c in configs}
 
@@ -343,11 +358,13 @@ def tables(result: dict) -> list[Table]:
         out.append(Table("Controls of the metric, scored against full KV's replies", ["control", "hits (95% CI)",
                          "mean F1 (95% CI)"], crows))  # fmt: skip
     if result.get("saturated"):
+        sat = result["saturated"].items()
         srows = [[n, _acc(r), f"{r['blocks']['peak']:.1f}", r["blocks"]["max_over_bound"], r["preemptions"],
-                  r.get("queued", "-")] for n, r in result["saturated"].items()]  # fmt: skip
-        cols = ["configuration", "hits (95% CI)", "blocks peak", "over bound", "preemptions", "queued"]
+                  r.get("queued", "-"), r.get("most_in_flight", "-")] for n, r in sat]  # fmt: skip
+        cols = ["configuration", "hits (95% CI)", "blocks peak", "over bound", "preemptions", "queued", "most at once"]
         out.append(Table("The same prompts all at once into a small pool (saturation)", cols, srows,
-                         "queued: requests first scheduled after another request had finished."))  # fmt: skip
+                         "queued: requests first scheduled after another request had finished; most at once: the "
+                         "most requests between first scheduling and last token at one moment."))  # fmt: skip
     return out
 
 
