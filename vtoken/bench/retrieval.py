@@ -200,7 +200,7 @@ def run(args) -> dict:
     tok = AutoTokenizer.from_pretrained(folder)
     cases = suite.build(tok, [int(n) for n in args.lengths.split(",")], args.depths)
     full = _reference(args.reference, cases) if args.no_full and args.reference else None
-    policies, modes = args.policies.split(","), args.modes.split(",")
+    policies, modes = args.policies.split(","), [m for m in args.modes.split(",") if m]  # "": saturation only
     bad = sorted(set(modes) - set(MODES)) + sorted(set(policies) - set(POLICIES))
     if bad:
         raise SystemExit(f"unknown modes or policies: {bad}")
