@@ -109,6 +109,20 @@ def test_bench_quick(name, tmp_path):
     assert (tmp_path / f"{name}.png").stat().st_size > 5000
 
 
+@pytest.mark.parametrize("suite", ["multi", "agree"])
+def test_bench_retrieval_quick_on_the_held_out_suites(suite, tmp_path):
+    """--quick stays a smoke run for every suite; the JSON and the table say which suite ran and its role."""
+    pytest.importorskip("vllm")
+    from vtoken.cli import main
+
+    assert main(["bench", "retrieval", "--quick", "--suite", suite, "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "retrieval.json").read_text())
+    assert out["suite"]["name"] == suite and out["suite"]["tuning"] is False and out["prompts"] == 3
+    assert QUICK["retrieval"](out) and all(r["queued"] >= 0 for r in out["saturated"].values())
+    assert suite != "agree" or out["configs"]["full KV"]["hits"] == 3  # agree: full KV is 100% by definition
+    assert f"Suite {suite}, held out" in (tmp_path / "retrieval.md").read_text()
+
+
 def test_bench_goodput_plumbing_on_the_fake_engine(tmp_path):
     """The serving benchmark end to end (embedded Ray, two replicas, controller, gateway; JSON, Markdown, plot
     and the machine's load) on the fake engine, in well under a minute. Its --quick form on tiny-llama starts

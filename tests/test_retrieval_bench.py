@@ -28,12 +28,15 @@ def test_saturated_tier_only_for_park_and_pressure(monkeypatch):
         e.served += [retrieval.label(*c) for c in configs]
         rec = {"mean_retained_blocks": 1, "peak_retained_blocks": 1, "mean_naive_retained_blocks": 1,
                "peak_naive_retained_blocks": 1, "peak_over_bound": 0}  # fmt: skip
-        return {retrieval.label(*c): {"texts": ["x"], "records": [rec], "preempted": 0} for c in configs}
+        return {
+            retrieval.label(*c): {"texts": ["x"], "records": [rec], "preempted": 0, "queued": 0, "most_in_flight": 1}
+            for c in configs
+        }
 
     monkeypatch.setattr(retrieval, "Engine", FakeEngine)
     monkeypatch.setattr(retrieval, "_serve", fake_serve)
     args = SimpleNamespace(saturate="snapkv@0.25:always,snapkv@0.25:pressure,h2o@0.25:park",
-                           saturate_kv_bytes=1 << 20, prefill_chunk=64, park_tokens=4096)  # fmt: skip
+                           saturate_kv_bytes=1 << 20, prefill_chunk=64, park_tokens=4096, suite="niah")  # fmt: skip
     cases = [SimpleNamespace(answer="1", task="single", length=256)]
     out = retrieval._saturated(args, "folder", None, cases, {"kv_bytes": 1 << 30})
     assert set(out) == {"snapkv@0.25:always", "snapkv@0.25:pressure", "h2o@0.25:park"}

@@ -1,5 +1,10 @@
-"""Retrieval under eviction: a RULER-style needle-in-a-haystack suite (vtoken/bench/needles.py) served through
-vLLM, full KV against every policy, budget and eviction mode, with accuracy next to the blocks each costs.
+"""Retrieval under eviction: a suite of prompts served through vLLM, full KV against every policy, budget and
+eviction mode, with accuracy next to the blocks each costs.
+
+Suites (``--suite``, vtoken/bench/suites.py): ``niah`` (the default), the RULER-style needle suite that every
+parameter is tuned on (vtoken/bench/needles.py); ``multi``, a second needle format held out of tuning (look-alike
+keys, the question before and after the text, the chat template; vtoken/bench/multi.py); ``agree``, questions
+over a document scored by agreement with full KV's own replies, held out too (vtoken/bench/agree.py).
 
 Modes (what a user sets; per request where it can be):
 
@@ -10,21 +15,25 @@ Modes (what a user sets; per request where it can be):
             the survivors are chosen with the question in view (attention policies only)
   pressure  ``evict="pressure"`` (with the tier): nothing is evicted while the pool holds what runs and waits
 
-Accuracy: the needle's value among the first numbers the model writes, over every prompt, with its 95%
-Wilson interval. Blocks per request: the mean over decode steps and the peak over every forward (prefill
-chunks included) of what the request held, and the same for Naive-Evict (the paired baseline makes the same
-decisions, so its blocks come from the same run's accounting), and ``over bound`` (at most 0: every forward
-within ``ceil((keep + chunk) / block_size) + 1`` blocks). ``--saturate`` also serves the suite at once into a
-pool that cannot hold it, where pressure mode has to evict as much as ``always``.
+Accuracy: the suite's hits over every prompt (for the needle suites, the value among the first numbers the model
+writes), with its 95% Wilson interval. Blocks per request: the mean over decode steps and the peak over every
+forward (prefill chunks included) of what the request held, and the same for Naive-Evict (the paired baseline
+makes the same decisions, so its blocks come from the same run's accounting), and ``over bound`` (at most 0:
+every forward within ``ceil((keep + chunk) / block_size) + 1`` blocks). ``--saturate`` also serves the suite at
+once into a pool that cannot hold it, where pressure mode has to evict as much as ``always``.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
+from vtoken.bench.agree import agreement, bare_prompt, question
 from vtoken.bench.engine_run import Engine, log
-from vtoken.bench.needles import build, hit, wilson
+from vtoken.bench.needles import wilson
 from vtoken.bench.report import Table
+from vtoken.bench.suites import SUITES, Suite, reply
 
 POLICIES = ("h2o", "scissorhands", "snapkv", "random", "streaming")
 ATTENTION = ("h2o", "scissorhands", "snapkv")
@@ -33,19 +42,25 @@ MODES = ("decode", "always", "park", "pressure")
 
 def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--suite", default="niah", choices=list(SUITES),
+                   help="niah: the tuning suite; multi, agree: held out of tuning")  # fmt: skip
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--budgets", default="0.5,0.25,0.125")
     p.add_argument("--modes", default="decode,always,park", help=f"any of {', '.join(MODES)}")
-    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths, tokens")
-    p.add_argument("--depths", type=int, default=12, help="needle depths per task and length (over 5%%..95%%)")
+    p.add_argument("--lengths", default=None, help="prompt lengths, tokens (niah: 1024,2048,4096; else 1024,2048)")
+    depths = "depths per task and length (niah: 12 over 5%%..95%%; multi, agree: 20 over 10%%..90%%)"
+    p.add_argument("--depths", type=int, default=None, help=depths)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--window", type=int, default=32, help="queries of a chunk's observation window")
     p.add_argument("--park-tokens", type=int, default=1 << 17, help="the parking tier's size, tokens")
     p.add_argument("--kv-bytes", type=int, default=1 << 30, help="the KV pool (a pool that never runs short)")
     p.add_argument("--saturate", default="", help="policy@budget:mode,... also served into a small pool at once")
     p.add_argument("--saturate-kv-bytes", type=int, default=96 << 20)
-    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (niah 12, multi 16, agree 32)")
+    controls = "agree: also the question without its document, and full KV in bf16, scored the same way"
+    p.add_argument("--controls", action="store_true", help=controls)
     p.add_argument("--no-full", action="store_true", help="skip the full-KV run (when merging with a run that has it)")
+    p.add_argument("--reference", default="", help="agree with --no-full: full KV's replies from this retrieval.json")
     p.add_argument("--merge", default="", help="retrieval.json files of earlier runs to combine (no engine runs)")
 
 
@@ -81,23 +96,48 @@ def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args) -> dic
     """Every configuration's requests in one batch (each request carries its own options)."""
     reqs = [(c, i) for c in configs for i in range(len(cases))]
     b = e.batch([cases[i].prompt for _, i in reqs], args.max_tokens, [options(*c, args.window) for c, _ in reqs])
+    first_done = min(s.last_token_ts for s in b.served)
     out: dict[str, dict] = {}
     for (c, i), s in zip(reqs, b.served):
-        r = out.setdefault(label(*c), {"texts": [None] * len(cases), "records": [None] * len(cases), "preempted": 0})
-        r["texts"][i] = e.tok.decode(s.output_tokens)
+        r = out.setdefault(label(*c), {"texts": [None] * len(cases), "records": [None] * len(cases), "preempted": 0,
+                                       "queued": 0})  # fmt: skip
+        r["texts"][i] = reply(e.tok, s.output_tokens, SUITES[args.suite].chat)
         r["records"][i] = s.record
         r["preempted"] += s.preemptions
+        r["queued"] += s.scheduled_ts > first_done  # first scheduled after another request had finished: it waited
+    most = _most_in_flight([(s.scheduled_ts, s.last_token_ts) for s in b.served])
+    for r in out.values():
+        r["most_in_flight"] = most
     return out
 
 
-def _score(cases, texts: list[str], records: list[dict] | None = None) -> dict:
-    hits = [hit(c.answer, t) for c, t in zip(cases, texts)]
+def _most_in_flight(spans: list[tuple[float, float]]) -> int:
+    """The most requests between their first scheduling and their last token at one moment (the batch's, all
+    configurations together): with a pool that saturates it stays well under the number of requests."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def _score(cases, texts: list[str], records: list[dict] | None = None, suite: Suite = SUITES["niah"],
+           full: list[str] | None = None) -> dict:  # fmt: skip
+    """Hits against the suite's metric; ``full``: full KV's replies to the same prompts (``agree`` needs them)."""
+    full = full or [""] * len(cases)
+    hits = [suite.hit(c, t, f) for c, t, f in zip(cases, texts, full)]
     lo, hi = wilson(sum(hits), len(hits))
     by = {}
     for c, h in zip(cases, hits):
         by.setdefault(f"{c.task}@{c.length}", []).append(h)
     out = {"hits": int(sum(hits)), "n": len(hits), "accuracy": sum(hits) / len(hits), "ci95": [lo, hi],
            "by_task": {k: f"{sum(v)}/{len(v)}" for k, v in by.items()}, "answers": texts}  # fmt: skip
+    if suite.needs_full:
+        f1 = np.array([agreement(t, f, question(c)) for c, t, f in zip(cases, texts, full)])
+        half = 1.96 * f1.std(ddof=1) / np.sqrt(len(f1)) if len(f1) > 1 else 0.0
+        out["agreement"] = {"mean": float(f1.mean()), "ci95": [float(f1.mean() - half), float(f1.mean() + half)],
+                            "per_prompt": f1.round(3).tolist()}  # fmt: skip
     if records and all(records):
 
         def mean(key: str) -> float:
@@ -115,21 +155,27 @@ def _score(cases, texts: list[str], records: list[dict] | None = None) -> dict:
 
 def merge(paths: list[str]) -> dict:
     """Runs of the same suite, split to keep each engine run short, as one result (later runs win)."""
-    import json
-
     runs = [json.loads(open(p).read()) for p in paths]
     out = {k: v for k, v in runs[0].items() if k not in ("benchmark", "command", "settings", "machine", "seconds")}
     out["configs"], out["saturated"], out["merged_from"] = {}, {}, [r["command"] for r in runs]
     for r in runs:
-        if r["prompts"] != out["prompts"] or r["lengths"] != out["lengths"]:
+        if r["prompts"] != out["prompts"] or r["lengths"] != out["lengths"] or _suite(r) != _suite(out):
             raise SystemExit(f"--merge: {r['command']} ran another suite")
+        full = r["configs"].get("full KV", {}).get("answers")
+        if full and out["configs"].get("full KV", {}).get("answers", full) != full:  # agree is scored against it
+            raise SystemExit(f"--merge: {r['command']} has other full-KV replies (another machine or model?)")
         out["configs"].update(r["configs"])
         out["saturated"].update(r.get("saturated", {}))
+        out.setdefault("controls", {}).update(r.get("controls", {}))
     if "full KV" not in out["configs"]:
         raise SystemExit("--merge: no run has the full-KV baseline")
     out["configs"] = {"full KV": out["configs"].pop("full KV"), **out["configs"]}
     out["budgets"] = sorted({b for r in runs for b in r["budgets"]}, reverse=True)
     return out
+
+
+def _suite(result: dict) -> str:
+    return result.get("suite", {}).get("name", "niah")  # runs from before --suite were the needle suite
 
 
 def run(args) -> dict:
@@ -139,15 +185,22 @@ def run(args) -> dict:
 
     if args.merge:
         return merge(args.merge.split(","))
+    suite = SUITES[args.suite]
+    args.lengths = args.lengths or suite.lengths
+    args.depths = args.depths or suite.depths
+    args.max_tokens = args.max_tokens or suite.max_tokens
     if args.quick:
         args.model, args.policies, args.budgets = "tiny-llama", "snapkv,random", "0.25"
-        args.lengths, args.depths = "256", 2
+        args.lengths, args.depths = ("256", 2) if suite.name == "niah" else ("384", 3)
         args.modes, args.prefill_chunk, args.window, args.max_tokens = "always,park,pressure", 64, 8, 4
         args.park_tokens, args.saturate, args.saturate_kv_bytes = 4096, "snapkv@0.25:pressure", 1 << 20
+    if suite.needs_full and args.no_full and not args.reference:
+        raise SystemExit(f"--suite {suite.name} scores every reply against full KV's: --no-full needs --reference")
     folder = str(model_path(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
-    cases = build(tok, [int(n) for n in args.lengths.split(",")], args.depths)
-    policies, modes = args.policies.split(","), args.modes.split(",")
+    cases = suite.build(tok, [int(n) for n in args.lengths.split(",")], args.depths)
+    full = _reference(args.reference, cases) if args.no_full and args.reference else None
+    policies, modes = args.policies.split(","), [m for m in args.modes.split(",") if m]  # "": saturation only
     bad = sorted(set(modes) - set(MODES)) + sorted(set(policies) - set(POLICIES))
     if bad:
         raise SystemExit(f"unknown modes or policies: {bad}")
@@ -157,25 +210,51 @@ def run(args) -> dict:
     longest = max(len(c.prompt) for c in cases) + args.max_tokens
     kw = dict(kv_bytes=args.kv_bytes, max_model_len=longest, enable_prefix_caching=False,
               max_num_batched_tokens=args.prefill_chunk)  # fmt: skip
-    log(f"[retrieval] {len(cases)} prompts x {1 + len(configs)} configurations")
-    result: dict = {"model": args.model, "prompts": len(cases), "configs": {}}
+    log(f"[retrieval] {suite.name} ({suite.role}): {len(cases)} prompts x {1 + len(configs)} configurations")
+    result: dict = {"model": args.model, "prompts": len(cases), "configs": {}, "controls": {}}
     if not args.no_full:
         with Engine(folder, "off", {"prefill_chunk": args.prefill_chunk}, **kw) as e:
             b = e.batch([c.prompt for c in cases], args.max_tokens)
-            result["configs"]["full KV"] = _score(cases, [tok.decode(s.output_tokens) for s in b.served])
+            full = [reply(tok, s.output_tokens, suite.chat) for s in b.served]
+            result["configs"]["full KV"] = _score(cases, full, None, suite, full)
+            if args.controls and suite.needs_full:
+                b = e.batch([bare_prompt(tok, c) for c in cases], args.max_tokens)
+                texts = [reply(tok, s.output_tokens, suite.chat) for s in b.served]
+                result["controls"]["no document"] = _score(cases, texts, None, suite, full)
         log(f"[retrieval] full KV: {result['configs']['full KV']['hits']}/{len(cases)}")
+        if args.controls and suite.needs_full:
+            with Engine(folder, "off", {"prefill_chunk": args.prefill_chunk}, dtype="bfloat16", **kw) as e:
+                b = e.batch([c.prompt for c in cases], args.max_tokens)
+                texts = [reply(tok, s.output_tokens, suite.chat) for s in b.served]
+                result["controls"]["full KV in bf16"] = _score(cases, texts, None, suite, full)
+            log(f"[retrieval] controls: { {k: v['hits'] for k, v in result['controls'].items()} }")
     for park, mine in _by_tier(configs):
         with Engine(folder, "vtoken", _engine_cfg(args, park), **kw) as e:
             e.tok = tok
             for name, r in _serve(e, cases, mine, args).items():
-                result["configs"][name] = _score(cases, r["texts"], r["records"])
+                result["configs"][name] = _score(cases, r["texts"], r["records"], suite, full)
                 log(f"[retrieval] {name}: {result['configs'][name]['hits']}/{len(cases)}")
-    result["saturated"] = _saturated(args, folder, tok, cases, kw) if args.saturate else {}
+    result["saturated"] = _saturated(args, folder, tok, cases, kw, full) if args.saturate else {}
     result.update(settings(args, cases))
     return result
 
 
-def _saturated(args, folder, tok, cases, kw) -> dict:
+def prompts_digest(cases) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([c.prompt for c in cases]).encode()).hexdigest()[:16]
+
+
+def _reference(path: str, cases) -> list[str]:
+    """Full KV's replies from an earlier run of the same prompts (a run split in two need not serve it twice)."""
+    ref = json.loads(open(path).read())
+    digest = ref.get("prompts_sha256")
+    if digest != prompts_digest(cases) or "full KV" not in ref.get("configs", {}):
+        raise SystemExit(f"--reference {path}: not a run of these prompts with full KV (prompts {digest})")
+    return ref["configs"]["full KV"]["answers"]
+
+
+def _saturated(args, folder, tok, cases, kw, full: list[str] | None = None) -> dict:
     """The listed configurations with the whole suite arriving at once into a small pool: pressure mode has to
     evict as much as always there, and the peak bound has to hold."""
     configs = []
@@ -190,20 +269,36 @@ def _saturated(args, folder, tok, cases, kw) -> dict:
             e.tok = tok
             for c in mine:
                 r = _serve(e, cases, [c], args)[label(*c)]
-                out[label(*c)] = _score(cases, r["texts"], r["records"])
+                out[label(*c)] = _score(cases, r["texts"], r["records"], SUITES[args.suite], full)
                 out[label(*c)]["preemptions"] = r["preempted"]
+                out[label(*c)]["queued"] = r["queued"]
+                out[label(*c)]["most_in_flight"] = r["most_in_flight"]
                 log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
     return {label(*c): out[label(*c)] for c in configs}
 
 
 def settings(args, cases) -> dict:
+    from vtoken.bench import idle_text
+
+    suite = SUITES[args.suite]
+    text = {"multi": idle_text.manual, "agree": idle_text.release_notes}.get(suite.name)
     return {
+        "suite": {
+            "name": suite.name,
+            "tuning": suite.tuning,
+            "role": suite.role,
+            "text": suite.text,
+            "metric": suite.metric,
+            **({"text_sha256": idle_text.digest(text())} if text else {}),
+        },
+        "prompts_sha256": prompts_digest(cases),
         "lengths": sorted({c.length for c in cases}),
         "tasks": sorted({c.task for c in cases}),
         "prefill_chunk": args.prefill_chunk,
         "window": args.window,
         "park_tokens": args.park_tokens,
         "budgets": [float(b) for b in args.budgets.split(",")],
+        "max_tokens": args.max_tokens,
     }
 
 
@@ -213,9 +308,28 @@ def _acc(r: dict) -> str:
     return f"{r['hits']}/{r['n']} ({100 * r['accuracy']:.0f}%, {100 * lo:.0f}-{100 * hi:.0f})"
 
 
+def _title(result: dict) -> str:
+    """Which suite, and whether it is the one the parameters were tuned on."""
+    sw = result.get("suite", {"name": "niah", "role": "tuning suite"})
+    what = {
+        "niah": f"{', '.join(result['tasks'])}, needles at 5-95% depth",
+        "multi": "3 look-alike keys, question before and after the text, chat template, needles at 10-90% depth",
+        "agree": "questions over release notes at 10-90% depth, a hit = content-word F1 >= 0.5 with full KV's reply",
+    }[sw["name"]]
+    return (f"Suite {sw['name']}, {sw['role']} ({result['model']}, {result['prompts']} prompts at "
+            f"{', '.join(map(str, result['lengths']))} tokens: {what}; prompts read in chunks of "
+            f"{result['prefill_chunk']})")  # fmt: skip
+
+
+def _f1(r: dict) -> str:
+    a = r.get("agreement")
+    return f"{a['mean']:.2f} ({a['ci95'][0]:.2f}-{a['ci95'][1]:.2f})" if a else "-"
+
+
 def tables(result: dict) -> list[Table]:
     full = result["configs"].get("full KV", {"hits": 0, "n": 0, "accuracy": 0.0, "ci95": [0.0, 0.0]})
-    rows = [["full KV (off)", "-", "-", _acc(full), "-", "-", "-", "-", "-"]]
+    agree = bool(full.get("agreement"))
+    rows = [["full KV (off)", "-", "-", _acc(full), "-", "-", "-", "-", "-"] + ([_f1(full)] if agree else [])]
     for name, r in result["configs"].items():
         if name == "full KV":
             continue
@@ -223,23 +337,14 @@ def tables(result: dict) -> list[Table]:
         policy, budget = pb.split("@")
         rel = r["accuracy"] / full["accuracy"] if full["accuracy"] else float("nan")
         mean, peak, naive = (f"{bl.get(k, 0):.1f}" for k in ("mean", "peak", "naive_peak"))
-        rows.append([policy, budget, mode, _acc(r), f"{100 * rel:.0f}%", mean, peak, naive, bl.get("max_over_bound")])
+        rows.append([policy, budget, mode, _acc(r), f"{100 * rel:.0f}%", mean, peak, naive, bl.get("max_over_bound")]
+                    + ([_f1(r)] if agree else []))  # fmt: skip
+    cols = ["policy", "budget", "mode", "hits (95% CI)", "of full KV", "blocks mean", "blocks peak", "Naive-Evict peak",
+            "over bound"] + (["mean F1 with full KV (95% CI)"] if agree else [])  # fmt: skip
     out = [
         Table(
-            f"Needle retrieval ({result['model']}, {result['prompts']} prompts: {', '.join(result['tasks'])} at "
-            f"{', '.join(map(str, result['lengths']))} tokens, needles at 5-95% depth; prompts read in chunks of "
-            f"{result['prefill_chunk']})",
-            [
-                "policy",
-                "budget",
-                "mode",
-                "hits (95% CI)",
-                "of full KV",
-                "blocks mean",
-                "blocks peak",
-                "Naive-Evict peak",
-                "over bound",
-            ],  # fmt: skip
+            _title(result),
+            cols,
             rows,
             "Blocks per request: mean over decode steps, peak over every forward (prefill chunks included); "
             "Naive-Evict makes the same decisions (its blocks from the same run's accounting). over bound <= 0: "
@@ -248,11 +353,18 @@ def tables(result: dict) -> list[Table]:
             "the pool runs short.",
         )
     ]
+    if result.get("controls"):
+        crows = [[n, _acc(r), _f1(r)] for n, r in result["controls"].items()]
+        out.append(Table("Controls of the metric, scored against full KV's replies", ["control", "hits (95% CI)",
+                         "mean F1 (95% CI)"], crows))  # fmt: skip
     if result.get("saturated"):
-        srows = [[n, _acc(r), f"{r['blocks']['peak']:.1f}", r["blocks"]["max_over_bound"], r["preemptions"]]
-                 for n, r in result["saturated"].items()]  # fmt: skip
-        cols = ["configuration", "hits (95% CI)", "blocks peak", "over bound", "preemptions"]
-        out.append(Table("The same prompts all at once into a small pool (saturation)", cols, srows))
+        sat = result["saturated"].items()
+        srows = [[n, _acc(r), f"{r['blocks']['peak']:.1f}", r["blocks"]["max_over_bound"], r["preemptions"],
+                  r.get("queued", "-"), r.get("most_in_flight", "-")] for n, r in sat]  # fmt: skip
+        cols = ["configuration", "hits (95% CI)", "blocks peak", "over bound", "preemptions", "queued", "most at once"]
+        out.append(Table("The same prompts all at once into a small pool (saturation)", cols, srows,
+                         "queued: requests first scheduled after another request had finished; most at once: the "
+                         "most requests between first scheduling and last token at one moment."))  # fmt: skip
     return out
 
 
@@ -270,5 +382,6 @@ def plot(result: dict, fig) -> None:
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     ax.legend(uniq.values(), uniq.keys(), fontsize=6, ncol=2)
-    ax.set(xlabel="peak blocks per request", ylabel="needles retrieved (%)",
-           title="accuracy against memory: the Pareto front")  # fmt: skip
+    name = result.get("suite", {}).get("name", "niah")
+    ax.set(xlabel="peak blocks per request", ylabel="hits (%)",
+           title=f"suite {name}: accuracy against memory, the Pareto front")  # fmt: skip
