@@ -406,6 +406,8 @@ class Compactor:
             stats = fresh[st.request_id]
             if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
                 continue
+            if st.compacted_at == self.step:  # it chose with the question this step, and came back to keeping
+                continue
             step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
             if step is None:
                 continue
