@@ -141,7 +141,7 @@ def main() -> None:
     from vtoken.models import model_path
     from vtoken.vllm_adapter import VTokenConfig
 
-    folder, cfg = str(model_path(args.model)), VTokenConfig(mode="vtoken", policy="h2o", budget=0.5)
+    folder, cfg = str(model_path(args.model)), VTokenConfig(mode="vtoken", policy="h2o", budget=0.5, evict="always")
     load = os.getloadavg()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     result = {"model": args.model, "cpus": os.cpu_count(), "load_before": load, "direct": direct(args, folder, cfg)}

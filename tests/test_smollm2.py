@@ -15,7 +15,7 @@ def chat(mode: str, prompts: list[str], max_tokens: int, **cfg):
 
     with open_llm(
         str(model_path("smollm2-135m")),
-        VTokenConfig(mode=mode, **cfg),
+        VTokenConfig(mode=mode, **{"evict": "always", **cfg}),
         dtype="float32",
         block_size=32,
         max_model_len=2048,

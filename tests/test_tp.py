@@ -143,7 +143,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
         llm = LLM(
             model=str(model_path("tiny-llama")),
             **make_kwargs(
-                VTokenConfig(**cfg),
+                VTokenConfig(**{"evict": "always", **cfg}),
                 dtype="float32",
                 block_size=32,
                 max_model_len=1024,

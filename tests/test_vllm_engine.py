@@ -114,6 +114,13 @@ def test_incompatible_features_are_refused(key, value):
         engine_kwargs(VTokenConfig(mode="vtoken"), **{key: value})
 
 
+def test_the_default_is_snapkv_in_pressure_mode_with_the_tier():
+    # README "Why pressure mode with parking is the default"; tests of eviction at a budget ask for evict "always"
+    # (tests/vllm_harness.py), and test_pressure.py shows the default is stock vLLM while the pool holds everything.
+    cfg = VTokenConfig()
+    assert (cfg.mode, cfg.policy, cfg.evict, cfg.park_tokens) == ("vtoken", "snapkv", "pressure", "auto")
+
+
 def test_bad_config_values():
     with pytest.raises(ValueError, match="unknown eviction policy"):
         VTokenConfig(policy="lru")

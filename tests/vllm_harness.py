@@ -61,6 +61,7 @@ def run(
         enforce_eager=True,
         **kwargs,
     )
+    cfg = {"evict": "always", **cfg}  # the tests of eviction at a budget; pressure mode's ask for it
     if knobs:
         opened = testing.open_llm(model, VTokenConfig(**cfg), testing.Knobs(**knobs), **engine_args)
     else:

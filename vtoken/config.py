@@ -75,11 +75,12 @@ class VTokenConfig(BaseModel):
         "once over its live keys just before a decision (SnapKV's observation window over decode queries)",
     )
     evict: Literal["always", "pressure"] = Field(
-        "always",
-        description="always: every request keeps to its budget (evicting between prefill chunks with "
-        "prefill_evict). pressure: the budget is a floor, not a target: a request keeps every token while the pool "
-        "holds what runs and what waits (with pressure_watermark); when it runs short, requests shed to their "
-        "budget, one at a time, until it does not (those that have read their prompt first)",
+        "pressure",
+        description="pressure (the default): the budget is a floor, not a target: a request keeps every token while "
+        "the pool holds what runs and what waits (with pressure_watermark); when it runs short, the requests give "
+        "back what the shortfall needs, the fewest tokens first, never below their budgets (vtoken/shedding.py), "
+        "and a request still reading its prompt parks what it sheds. always: every request keeps to its budget "
+        "(evicting between prefill chunks with prefill_evict), so its peak is bounded",
     )
     pressure_watermark: float = Field(
         0.02, ge=0, lt=1, description="evict: pressure: the share of the pool's blocks kept free on top of the demand"

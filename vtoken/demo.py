@@ -24,6 +24,13 @@ def add_cli(sub) -> None:
     p.add_argument("--policy", default="h2o", help="eviction policy: h2o, scissorhands, snapkv, random, streaming")
     p.add_argument("--budget", type=float, default=0.25, help="live tokens kept: ratio < 1 or a token count")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (vLLM on CPU: a multiple of 32)")
+    p.add_argument(
+        "--evict",
+        choices=("always", "pressure"),
+        default="always",
+        help="always: keep to the budget, to show what eviction frees; pressure (the engine's default): evict only "
+        "when the pool runs short, which this demo's pool never does",
+    )
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
     p.add_argument("--passages", type=int, default=3, help="summarisation prompts over real text (~700 tokens)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,naive,vtoken")
@@ -44,7 +51,7 @@ def serve(model_dir: str, mode: str, args, prompts: list[str]) -> dict:
 
     from vtoken.vllm_adapter import VTokenConfig, open_llm, vtoken_stats
 
-    cfg = VTokenConfig(mode=mode, policy=args.policy, budget=args.budget)
+    cfg = VTokenConfig(mode=mode, policy=args.policy, budget=args.budget, evict=args.evict)
     log(f"[{mode}] starting vLLM on {args.model} ...")
     # float32: on CPUs without AVX512-BF16/AMX, vLLM's bf16 matmuls run at half the speed of fp32
     with open_llm(
@@ -98,7 +105,7 @@ def run(args) -> int:
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
-        VTokenConfig(mode="vtoken", policy=args.policy, budget=args.budget)
+        VTokenConfig(mode="vtoken", policy=args.policy, budget=args.budget, evict=args.evict)
         if not set(modes) <= set(MODES):
             raise ValueError(f"--modes takes a subset of {','.join(MODES)}, got {args.modes!r}")
         model_dir = str(model_path(args.model))

@@ -32,7 +32,7 @@ def add_args(p) -> None:
     p.add_argument(
         "--evict",
         choices=("always", "pressure"),
-        default="always",
+        default="pressure",
         help="eviction mode of naive and vtoken (pressure: the budget is a floor, shed only when the pool is short)",
     )
     p.add_argument(

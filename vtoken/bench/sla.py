@@ -49,7 +49,7 @@ def add_args(p) -> None:
     p.add_argument("--tpot-factor", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workload", choices=("tokens", "retrieval"), default="tokens")
-    p.add_argument("--evict", choices=("always", "pressure"), default="always", help="naive and vtoken")
+    p.add_argument("--evict", choices=("always", "pressure"), default="pressure", help="naive and vtoken")
     p.add_argument("--park-tokens", type=int, default=0, help="the parking tier of naive and vtoken (0: none)")
 
 

@@ -33,7 +33,7 @@ def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
 
     from vtoken.vllm_adapter import VTokenConfig, open_llm, vtoken_stats
 
-    cfg = VTokenConfig(mode="vtoken", policy=policy, budget=args.budget)
+    cfg = VTokenConfig(mode="vtoken", policy=policy, budget=args.budget, evict="always")
     with open_llm(
         model_dir,
         cfg,
