@@ -50,7 +50,13 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workload", choices=("tokens", "retrieval"), default="tokens")
     p.add_argument("--evict", choices=("always", "pressure"), default="pressure", help="naive and vtoken")
-    p.add_argument("--park-tokens", type=int, default=0, help="the parking tier of naive and vtoken (0: none)")
+    p.add_argument(
+        "--park-tokens",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="the parking tier of naive and vtoken: auto (the engine's default: on a CPU twice the pool's tokens), "
+        "a token count, or 0 (none)",
+    )
 
 
 async def _one(engine, prompt, sp, rid: str, delay: float) -> dict:
