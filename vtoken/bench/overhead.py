@@ -251,6 +251,7 @@ def window_micro(
     import torch
 
     from vtoken.bench.attention_stack import SHAPES
+    from vtoken.bench.core import _best
     from vtoken.query_window import QueryWindow
     from vtoken.scores import AttentionScorer
 
@@ -292,15 +293,8 @@ def window_micro(
                 window.score(r, b, n, kv)
 
         def timed(fn) -> float:
-            fn()
-            times = []
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times.append(time.perf_counter() - t0)
-            return 1000 * float(np.median(times))
+            fn()  # warm-up
+            return 1000 * _best(fn, repeats, sync)
 
         step, rec, dec = timed(per_step), timed(record), timed(decide)
         out.append({"context": n, "per_step_ms": step, "window_record_ms": rec, "window_score_ms": dec,
