@@ -187,7 +187,8 @@ def test_metrics_show_blocks_reclaimed_while_an_evicting_request_runs(served):
                 model="tiny-llama",
                 prompt="the quiet sea " * 100,  # ~300 tokens, ~10 blocks
                 max_tokens=300,
-                extra_body={"vtoken": {"policy": "random", "budget": 0.25}, "ignore_eos": True},
+                # evict "always": the default (pressure) would keep every token in a pool this request never fills
+                extra_body={"vtoken": {"policy": "random", "budget": 0.25, "evict": "always"}, "ignore_eos": True},
             )
         finally:
             done.set()

@@ -41,7 +41,7 @@ def test_stock_vllm_openai_server_with_vtoken_switched_in_evicts_and_frees_block
     from vtoken.vllm_adapter.engine import serve_args
 
     trace = tmp_path / "trace.jsonl"
-    cfg = {"policy": "streaming", "budget": BUDGET, "prefill_chunk": CHUNK, "trace_path": str(trace)}
+    cfg = {"policy": "streaming", "budget": BUDGET, "prefill_chunk": CHUNK, "evict": "always", "trace_path": str(trace)}
     sock = str(tmp_path / "vllm.sock")  # a Unix socket: no port to pick
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path("tiny-llama")),
