@@ -207,6 +207,13 @@ def _start_ray(cfg, args) -> int | None:
     shutdown against a half-made connection; a local Ray's processes die with us (Ray starts them so)."""
     from cluster.ray_connect import RayUnavailable, connect
 
+    def interrupted(signum, frame):
+        # Ended from the handler itself: a KeyboardInterrupt raised inside a library's code (Ray's import, gRPC)
+        # could be caught there and the start go on; a test saw one Ctrl-C unheard for 15 s in a full CI run.
+        print("vtoken serve: interrupted while starting Ray; stopped", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
         print(f"vtoken: {connect(cfg, args.address, verbose=args.verbose)}", flush=True)
         return None
@@ -216,6 +223,8 @@ def _start_ray(cfg, args) -> int | None:
     except KeyboardInterrupt:
         print("vtoken serve: interrupted while starting Ray; stopped", file=sys.stderr, flush=True)
         code = 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     import logging
 
     logging.shutdown()

@@ -222,7 +222,8 @@ def connect(cfg, address: str | None = None, verbose: bool = True) -> str:
             lambda: ray.init(address="local", num_cpus=cfg.ray.num_cpus, **kw),
         )
         return f"started a local Ray (node {ray.get_runtime_context().get_node_id()[:8]})"
-    addr = resolve(address)
+    # resolve() may look the node's address up (Ray's resolve_ip_for_localhost): off the main thread too
+    addr = within(deadline, f"resolving {address} took longer than {timeout:.0f}s", lambda: resolve(address))
     shown = addr if address == "auto" else address
     # check_auth's own deadline message is the better one (what answered, the fix): this one is a backstop
     how = within(deadline + 5, f"Ray at {shown} did not answer within {timeout:.0f}s",
