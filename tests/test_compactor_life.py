@@ -210,3 +210,44 @@ def test_a_request_that_chooses_with_the_question_while_the_pool_is_short_is_com
     live = a.table.num_live
     step({"a": 1, "b": 1}, waiting=[60])  # the next step it sheds like any keeper
     assert a.table.num_live < live + 1 and a.table.num_live >= a.keep(a.table.num_logical)
+
+
+def test_pressure_scores_a_keepers_window_on_demand_only_when_the_pool_may_run_short():
+    """Compactor.foresee: a decoding keeper (snapkv: scores on demand) records its queries and has its window scored
+    only when the pool may run short; far from short, nothing, so keeping every token costs decode steps nothing.
+    The window is scored at most once per ``slack`` (a block) of decode steps, and the shed that follows judges
+    the keeper's tokens by those scores."""
+    sim = KVSim(num_blocks=64, block_size=BS)
+    policy = make_policy("snapkv", budget=0.25, sink=0, recent=0, interval=0)
+    sim.add("r", prompt=24, policy=policy, pressure=True)
+    sim.step({"r": 24})
+    st = sim.core.states["r"]
+    sim.core.receive_stats("r", {"attn_sum": np.ones(24)})  # the prompt's window
+    sim.step({"r": 1})
+
+    def foresee(waiting):
+        return sim.core.foresee({"r": 1}, waiting, 0, 64, 16)
+
+    free = sim.pool.get_num_free_blocks()
+    assert foresee([]) == ([], {})  # 57 blocks free: nothing to record, nothing to score
+    # 25 tokens in 7 blocks: the next 16 steps (the window) take 4 more blocks, the next one none.
+    assert foresee([(free - 4) * BS]) == ([], {})  # short in more than 16 steps: not yet
+    assert foresee([(free - 3) * BS]) == (["r"], {})  # short within a window's steps: record its queries
+    record, score = foresee([(free + 1) * BS])  # short at the next step: score the window, once per block
+    assert record == ["r"] and score == {"r": policy.needs}
+    assert foresee([(free + 1) * BS]) == (["r"], {})
+    for _ in range(BS - 1):
+        sim.step({"r": 1})
+    assert foresee([(free + 1) * BS])[1] == {}
+    sim.step({"r": 1})
+    assert foresee([(free + 1) * BS])[1] == {"r": policy.needs}  # a block of steps later: again
+    # The window's scores are what the next shed ranks by: the lowest-scored tokens go, not the newest.
+    n = st.table.physical_len + 1
+    scores = np.ones(n)
+    scores[5:13] = 0.0
+    sim.core.receive_stats("r", {"attn_sum": scores})
+    sim.step({"r": 1}, waiting=[(sim.pool.get_num_free_blocks() + 2) * BS])
+    dead = np.flatnonzero(~st.table.live_mask()[:n])
+    assert st.record.shed_at >= 0 and dead.size
+    assert set(dead.tolist()) <= set(range(16))  # around the lowest scores (snapkv pools neighbours), not the newest
+    sim.check()

@@ -63,3 +63,20 @@ def test_negative_control_a_shed_applied_a_forward_late_breaks_exactness():
             t["evicted_at_forward"] = [f + 1 if f == s else f for f in t["evicted_at_forward"]]
     with pytest.raises(AssertionError):
         check_exact(late)
+
+
+def test_snapkv_keepers_shed_by_their_decode_window_scored_on_demand_and_stay_exact():
+    """snapkv (the default policy) scores on demand: in pressure mode a decoding request that keeps every token
+    has no per-step scorer and no window while memory is plentiful (test above: stock vLLM to the bit); when the
+    pool may run short its recent queries are kept and scored before the shed (Compactor.foresee), so the shed
+    judges its decode tokens too, not only its prompt's. Outputs equal the masked reference."""
+    r = engine({**CFG, "policy": "snapkv", "evict": "pressure", "park_tokens": 4096}, **SHORT)
+    assert [t for t in r.trace if "shed_at_forward" in t], "the pool ran short: requests should shed"
+    assert r.scorer["decode_rows"] == 0, "no per-step scorer for an on-demand policy"
+    assert r.scorer["windows"] > 0, "the keepers' decode windows were scored before their sheds"
+    decode_deaths = 0
+    for t in r.trace:
+        died = np.asarray(t["evicted_positions"], dtype=np.int64)
+        decode_deaths += int((died >= len(t["prompt_token_ids"])).sum())
+    assert decode_deaths > 0, "the window judged decode tokens too"
+    check_exact(r)

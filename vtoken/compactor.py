@@ -642,6 +642,48 @@ class Compactor:
             return ScoreAsk(min(st.window, new_tokens), p.needs, st.parked.tier.copy())
         return ScoreAsk(queries, p.needs) if queries else None
 
+    def foresee(
+        self, scheduled: dict[str, int], waiting: Sequence[int], watermark: int, chunk: int, lead: int
+    ) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+        """Pressure mode, after vLLM scheduled this step: may the pool run short soon? ``scheduled``: this step's
+        forwards (request -> new tokens, blocks already allocated); ``waiting``, ``watermark``: as for
+        ``plan_step``; ``chunk``: the engine's largest prefill forward; ``lead``: the decode window's length.
+
+        Returns (record, score): the decoding requests that keep every token (on-demand policies) whose query this
+        forward adds to their window, because the pool may run short within ``lead`` steps; and those whose window
+        is scored after this forward (with the statistics to send back), because it may run short at the next
+        step, whose shed then judges the request's live tokens by its recent queries (the window a decision in
+        always mode scores), at most once per ``slack`` decode steps a request, as decisions come in always mode.
+        While the pool is far from short: nothing, so a request that keeps every token costs its decode steps
+        nothing. A shortfall nobody foresaw (a burst of arrivals) sheds by the latest statistics sent."""
+        decoders, need_next, need_lead, ready = [], 0, 0, set()
+        for rid, n in scheduled.items():
+            st = self.states.get(rid)
+            if st is None:
+                continue
+            held = len(self.blocks_of(rid)) + len(st.ballast)
+            written = st.table.physical_len + n  # this step's forward writes n tokens
+            after = st.table.num_logical + n
+            left = st.prefill_len - after
+            one = min(left, chunk) if left > 0 else 1
+            soon = min(left, chunk * lead) if left > 0 else lead
+            need_next += max(-(-(written + one) // self.bs) - held, 0)
+            need_lead += max(-(-(written + soon) // self.bs) - held, 0)
+            if st.phase is Phase.KEEPING and st.schedule.on_demand and after > st.prefill_len:
+                decoders.append(st)
+                if st.window_scored_at < 0 or after - st.window_scored_at >= st.schedule.slack:
+                    ready.add(rid)
+        base = sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
+        if not decoders or base + need_lead <= 0:
+            return [], {}
+        score = {}
+        if base + need_next > 0:  # at most once per ``slack`` decode steps a request, as decisions in always mode
+            for st in decoders:
+                if st.request_id in ready:
+                    score[st.request_id] = st.policy.needs
+                    st.window_scored_at = st.table.num_logical + scheduled[st.request_id]
+        return [st.request_id for st in decoders], score
+
     # ---------------------------------------------------------------- observability
     def pool_totals(self) -> tuple[int, int, int]:
         """(live tokens, retained blocks, Naive-Evict's blocks) over every request: O(requests + blocks)."""

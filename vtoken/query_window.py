@@ -16,7 +16,13 @@ At a decision (``score``) the row's queries are scored over its live keys: softm
 or before the query's position, summed over the window, the heads and the layers: ``attn_sum`` as vtoken/scores.py
 defines it, from this window alone. The window then starts afresh (``clear``): the decision moves the request's
 tokens, and the positions of queries written before it would no longer match their keys. Between two decisions the
-request loses no token, so each query is scored over exactly the keys it attended when it ran.
+request loses no token, so each query is scored over exactly the keys it attended when it ran. The runner also
+clears a request's window whenever its tokens move (a shed in pressure mode may come without a scoring before it).
+
+Pressure mode (``evict: "pressure"``): a request that keeps every token records its queries only while the pool
+may run short within a window's steps, and its window is scored only when it may run short at the next step
+(vtoken/compactor.py ``foresee``), so that the shed judges its tokens by recent queries; while memory is plentiful
+the window costs nothing.
 
 Cost. Memory: rows x layers x W x heads x head_size elements, rows = the engine's largest batch. Llama-3.1-8B (32
 layers, 32 query heads of 128) in bf16 with W = 16: 4 MiB per request, 1 GiB at 256 running requests (0.7% of an
@@ -167,5 +173,5 @@ class QueryWindow:
         return total.cpu().numpy()
 
     def clear(self, row: int) -> None:
-        """A decision follows: the window starts afresh (see the module docstring)."""
+        """Scored before a decision, or the request's tokens moved: the window starts afresh (module docstring)."""
         self.count[row] = 0

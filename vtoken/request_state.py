@@ -35,6 +35,7 @@ class RequestState:
     ballast: list = field(default_factory=list)  # naive mode: blocks held as Naive-Evict would
     stats: dict | None = None  # from the last forward that exported them, per physical slot
     known: dict | None = None  # pressure mode: the latest statistics per logical token (inf: never covered)
+    window_scored_at: int = -1  # pressure mode: logical length when its decode window was last scored
     parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
     gap_sent: int = 0
     dirty: bool = False

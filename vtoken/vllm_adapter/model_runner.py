@@ -114,6 +114,10 @@ class VTokenRunnerMixin:
             for rid in (*so.finished_req_ids, *so.scheduled_cached_reqs.resumed_req_ids,
                         *(n.req_id for n in so.scheduled_new_reqs)):  # fmt: skip
                 self.vt_window.release(rid)
+            for rid in step.keep_blocks:  # its tokens moved (a decision, a shed): earlier queries' positions are off
+                row = self.vt_window.owner.get(rid)
+                if row is not None:
+                    self.vt_window.clear(row)
         self.vt_observe, self.vt_export = step.observe, step.export
         self.vt_record, self.vt_window_ask = step.record, step.window
 
