@@ -6,8 +6,9 @@ Modes (same prompts, every request generates the same number of tokens):
   vtoken-noevict   vToken's scheduler and worker in the path, budget above any context: bookkeeping only
   vtoken-streaming eviction + compaction + KV moves, no attention scoring
   vtoken-h2o       the same plus attention scoring at every decode step (the h2o policy)
-  vtoken-snapkv    the default: snapkv, decisions in block-sized batches, scores on demand from a window of recent
-                   queries (no per-step scorer)
+  vtoken-snapkv    snapkv at its budget (evict always), decisions in block-sized batches, scores on demand from a
+                   window of recent queries (no per-step scorer)
+  vtoken-default   the engine's defaults (snapkv, evict pressure with the tier): evicts only when the pool runs short
   naive-h2o        Naive-Evict with the same decisions
   vtoken-h2o-every4  h2o with score_every=4 (opt-in): one decode step in four observed
 Step time is vLLM's own per-request decode time, (last token - first token) / (tokens - 1). Every round
@@ -35,7 +36,7 @@ from vtoken.bench.report import Table
 
 CORE_MODES = ("off", "vtoken-snapkv", "vtoken-streaming", "vtoken-h2o", "naive-h2o", "vtoken-h2o-every4")
 ALL_MODES = (
-    "stock", "off", "vtoken-noevict", "vtoken-snapkv", "vtoken-streaming", "vtoken-h2o", "naive-h2o",
+    "stock", "off", "vtoken-noevict", "vtoken-default", "vtoken-snapkv", "vtoken-streaming", "vtoken-h2o", "naive-h2o",
     "vtoken-h2o-every4",
 )  # fmt: skip
 
@@ -60,7 +61,8 @@ def _modes(budget: float) -> dict[str, tuple[str, dict | None]]:
         "stock": ("stock", None),
         "off": ("off", None),
         "vtoken-noevict": ("vtoken", {"policy": "streaming", "budget": 10**9}),
-        "vtoken-snapkv": ("vtoken", {"policy": "snapkv", "budget": budget}),  # the default
+        "vtoken-default": ("vtoken", {"evict": "pressure", "park_tokens": "auto", "budget": budget}),
+        "vtoken-snapkv": ("vtoken", {"policy": "snapkv", "budget": budget}),
         "vtoken-streaming": ("vtoken", {"policy": "streaming", "budget": budget}),
         "vtoken-h2o": ("vtoken", {"policy": "h2o", "budget": budget}),
         "naive-h2o": ("naive", {"policy": "h2o", "budget": budget}),
