@@ -23,7 +23,9 @@ decoding, either every observed decode query (``per step``: h2o, scissorhands, w
 one step in ``score_every``), exported before a decision, or (``on_demand``: snapkv) the last queries of the
 request kept in a window the worker fills as it decodes (vtoken/query_window.py) and scores once, just before a
 decision: no per-step scorer at all. ``eager`` (pressure mode): every chunk window is scored, because any chunk
-boundary may shed.
+boundary may shed; a decoding request that keeps every token has its window recorded and scored only when the
+pool may run short soon, which is a question about the pool, not the request (``Compactor.foresee``; ``slack``
+still spaces the scorings).
 
 Parking (vtoken/park.py) adds two points, both for a request with parked tokens: the prompt's last chunk stops one
 token short (``stops_short``), so that chunk (the question) attends the live and the parked keys together
