@@ -656,33 +656,28 @@ class Compactor:
         always mode scores), at most once per ``slack`` decode steps a request, as decisions come in always mode.
         While the pool is far from short: nothing, so a request that keeps every token costs its decode steps
         nothing. A shortfall nobody foresaw (a burst of arrivals) sheds by the latest statistics sent."""
-        decoders, need_next, need_lead, ready = [], 0, 0, set()
+        decoders, need_next, need_lead = [], 0, 0  # decoders: (keeper, logical length after, may score again)
         for rid, n in scheduled.items():
             st = self.states.get(rid)
             if st is None:
                 continue
-            held = len(self.blocks_of(rid)) + len(st.ballast)
-            written = st.table.physical_len + n  # this step's forward writes n tokens
-            after = st.table.num_logical + n
+            after = st.table.num_logical + n  # this step's forward writes n tokens
             left = st.prefill_len - after
-            one = min(left, chunk) if left > 0 else 1
-            soon = min(left, chunk * lead) if left > 0 else lead
-            need_next += max(-(-(written + one) // self.bs) - held, 0)
-            need_lead += max(-(-(written + soon) // self.bs) - held, 0)
+            need_next += self._need(st, n + (min(left, chunk) if left > 0 else 1))  # as plan_step counts it
+            need_lead += self._need(st, n + (min(left, chunk * lead) if left > 0 else lead))
             if st.phase is Phase.KEEPING and st.schedule.on_demand and after > st.prefill_len:
-                decoders.append(st)
-                if st.window_scored_at < 0 or after - st.window_scored_at >= st.schedule.slack:
-                    ready.add(rid)
-        base = sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
+                last = st.window_scored_at
+                decoders.append((st, after, last < 0 or after - last >= st.schedule.slack))
+        base = self._waiting_shortfall(waiting, watermark)
         if not decoders or base + need_lead <= 0:
             return [], {}
         score = {}
         if base + need_next > 0:  # at most once per ``slack`` decode steps a request, as decisions in always mode
-            for st in decoders:
-                if st.request_id in ready:
+            for st, after, ready in decoders:
+                if ready:
                     score[st.request_id] = st.policy.needs
-                    st.window_scored_at = st.table.num_logical + scheduled[st.request_id]
-        return [st.request_id for st in decoders], score
+                    st.window_scored_at = after
+        return [st.request_id for st, _, _ in decoders], score
 
     # ---------------------------------------------------------------- observability
     def pool_totals(self) -> tuple[int, int, int]:

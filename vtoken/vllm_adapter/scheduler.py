@@ -141,7 +141,7 @@ class VTokenScheduler(Scheduler):
         if core.pressure_active():  # scores on demand for a shed the next steps may need (Compactor.foresee)
             more, score = core.foresee(out.num_scheduled_tokens, self._waiting(), self.vt_watermark, self.vt_chunk,
                                        self.vt.decode_window)  # fmt: skip
-            record += [rid for rid in more if rid not in record]
+            record += more  # keepers: scheduled() asked nothing of them (it records and scores decoding requests)
             step.window.update(score)
         step.record = tuple(record)
         core.note_step(len(self.running), (t1 - t0) + (time.perf_counter() - t2))
