@@ -78,6 +78,11 @@ QUICK = {
         and all(0 <= c["hits"] <= o["prompts"] for c in o["configs"].values())
         and set(o["saturated"]) == {"snapkv@0.25:pressure"}
     ),
+    "keyscores": lambda o: (
+        set(o["configs"]) == {"full KV", "window", "knorm", "keydiff", "streaming"}
+        and all(0 <= c["hits"] <= c["n"] == o["prompts"] and 0 < c["live_share"] <= 1 for c in o["configs"].values())
+        and o["configs"]["full KV"]["live_share"] == 1
+    ),
     "footprint": lambda o: all(r["lines"] < 30 for r in o["policies"]) and o["metadata"]["bytes_per_token"] <= 8,
     # The simulator needs no engine: the committed calibration, a few replicas, a compressed day.
     "fleet": lambda o: (

@@ -28,6 +28,7 @@ BENCHMARKS = {
         "goodput",
         "serve",
         "retrieval",
+        "keyscores",
         "fleet",
     )  # fmt: skip
 }
