@@ -32,6 +32,7 @@ import numpy as np
 
 from vtoken.bench.engine_run import log
 from vtoken.bench.needles import wilson
+from vtoken.bench.quality import masked_forward
 from vtoken.bench.report import Table
 
 SCORERS = ("window", "knorm", "keydiff", "streaming")
@@ -77,14 +78,7 @@ def answer(model, prompt: list[int], scorer: str | None, policy, chunk: int, win
 
     def forward(start: int, end: int, observe: int):
         nonlocal cache
-        out = model(
-            input_ids=torch.tensor([ids[start:end]]),
-            position_ids=torch.arange(start, end)[None],
-            attention_mask=torch.tensor(live[:end][None].astype(np.int64)),
-            past_key_values=cache,
-            use_cache=True,
-            output_attentions=observe > 0,
-        )
+        out = masked_forward(model, ids, start, end, live, cache, observe > 0)
         cache = out.past_key_values
         if observe:  # dead keys get no attention (masked); each query's future is zero (causal)
             acc[:end] += sum(a[0, :, -observe:, :].sum(dim=(0, 1)) for a in out.attentions).float().numpy()

@@ -51,6 +51,21 @@ def add_args(p) -> None:
 
 
 # ---------------------------------------------------------------------------------------- perplexity
+def masked_forward(model, ids: list[int], start: int, end: int, live: np.ndarray, cache, attentions: bool):
+    """A plain transformers forward of ``ids[start:end]`` over the tokens ``live`` marks (evicted keys masked out,
+    positions unchanged): the construction of the exactness tests' reference. ``cache``: the previous forward's."""
+    import torch
+
+    return model(
+        input_ids=torch.tensor([ids[start:end]]),
+        position_ids=torch.arange(start, end)[None],
+        attention_mask=torch.tensor(live[:end][None].astype(np.int64)),
+        past_key_values=cache,
+        use_cache=True,
+        output_attentions=attentions,
+    )
+
+
 def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: int = 32) -> float:
     """Mean NLL of ids[ctx:] teacher-forced one at a time after ids[:ctx]. ``chunk`` > 0: the context is read
     in chunks and the policy evicts after each (prefill eviction), scoring each chunk's last ``window``
@@ -96,14 +111,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     def forward(start: int, end: int, cache, observe: int):
         """Tokens [start, end) over the live keys; scores the last ``observe`` queries."""
         nonlocal have
-        out = model(
-            input_ids=torch.tensor([ids[start:end]]),
-            position_ids=torch.arange(start, end)[None],
-            attention_mask=torch.tensor(live[:end][None].astype(np.int64)),
-            past_key_values=cache,
-            use_cache=True,
-            output_attentions=needs and observe > 0,
-        )
+        out = masked_forward(model, ids, start, end, live, cache, needs and observe > 0)
         have = needs and observe > 0
         if have:
             layers, heads = len(out.attentions), out.attentions[0].shape[1]
