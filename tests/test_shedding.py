@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvsim import KVSim
 
@@ -81,6 +81,7 @@ def test_a_nearly_empty_block_goes_before_a_full_one():
 @given(
     prompts=st.lists(st.integers(8, 60), min_size=2, max_size=4), waiting=st.integers(1, 30), seed=st.integers(0, 99)
 )
+@example(prompts=[21, 25, 33, 33], waiting=30, seed=0)  # no shortfall: a fresh clone's CI run once found it
 def test_on_the_compactor_every_request_stays_at_or_above_its_budget(prompts, waiting, seed):
     sim = KVSim(num_blocks=64, block_size=BS, seed=seed)
     policy = make_policy("random", budget=0.25, sink=1, recent=2, seed=seed)
@@ -96,8 +97,11 @@ def test_on_the_compactor_every_request_stays_at_or_above_its_budget(prompts, wa
         assert sim.pool.get_num_free_blocks() >= 0 and before >= 0
         sim.check()
     shed = [st_ for st_ in sim.core.states.values() if st_.record.shed_at >= 0]
-    need = waiting + len(prompts)
-    if sum(-(-n // BS) for n in prompts) + need > 64:  # the pool was short: someone gave tokens back
+    # The pool was short by the last step at the latest if the prompts' blocks after their three decode tokens and
+    # the waiting request's first chunk exceed it: then someone gave tokens back. (A request's decode token needs a
+    # new block only when its last block is full: counting one per request and step claimed a shortfall where
+    # there was none, e.g. prompts [21, 25, 33, 33], waiting 30.)
+    if sum(-(-(n + 3) // BS) for n in prompts) + waiting > 64:
         assert shed
 
 
