@@ -34,6 +34,7 @@ from vtoken.bench.engine_run import log
 from vtoken.bench.needles import wilson
 from vtoken.bench.quality import masked_forward
 from vtoken.bench.report import Table
+from vtoken.budget import kept_tokens
 
 SCORERS = ("window", "knorm", "keydiff", "streaming")
 
@@ -86,7 +87,7 @@ def answer(model, prompt: list[int], scorer: str | None, policy, chunk: int, win
 
     def decide(ctx: int, stat: np.ndarray) -> None:
         alive = np.flatnonzero(live[:ctx])
-        keep = max(policy.target(ctx), min(ctx, policy.sink + policy.recent))
+        keep = kept_tokens(ctx, policy.budget, policy.sink, policy.recent)
         victims = policy.select(PolicyInput(ctx, 0, alive, {ATTN_SUM: stat}), keep=keep)
         live[victims] = False
 

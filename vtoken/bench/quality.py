@@ -25,6 +25,7 @@ import numpy as np
 
 from vtoken.bench.engine_run import Engine, log
 from vtoken.bench.report import Table
+from vtoken.budget import kept_tokens
 from vtoken.query_window import DECODE_WINDOW
 
 POLICIES = ("h2o", "scissorhands", "random", "streaming")
@@ -89,7 +90,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     ] = []  # on-demand policies: the attention rows of the decode queries since the last decision
 
     def keep(n: int) -> int:
-        return max(policy.target(n), min(n, policy.sink + policy.recent))
+        return kept_tokens(n, policy.budget, policy.sink, policy.recent)  # the engine's rule (vtoken/budget.py)
 
     def evict(n: int, num_output: int) -> None:
         nonlocal have
