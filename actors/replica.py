@@ -82,7 +82,8 @@ class Replica:
         self.draining = False
         self._starting: asyncio.Future | None = None
         self._reporter: asyncio.Task | None = None
-        self._last: ReplicaReport | None = None
+        self._last: ReplicaReport | None = None  # the last report sent
+        self._read: tuple[Engine | None, PoolReport | None, float] = (None, None, 0.0)  # engine, pool, when read
         self._report_failing = False
         self._sender = TokenSender()
         self._node = ""
@@ -220,7 +221,12 @@ class Replica:
         engine, pool = self.engine, empty_pool()
         if engine is not None:
             try:
-                pool = await self._pool_report(engine)
+                idle = self._idle_pool(engine)
+                if idle is None:
+                    pool = await self._pool_report(engine)
+                    self._read = (engine, pool, time.monotonic())
+                else:
+                    pool = idle
             except EngineDead as e:
                 self._engine_died(engine, str(e))
                 engine = None
@@ -235,6 +241,19 @@ class Replica:
             self.error,
             *self.where(),
         )
+
+    def _idle_pool(self, engine: Engine) -> PoolReport | None:
+        """The last pool read again while nothing can have changed it: no request in flight here, none running or
+        waiting at that read, the same engine, alive, and the read younger than ``report_interval_s``. An idle
+        replica then asks its engine once per ``report_interval_s``, not every ``poll_s``: vLLM's EngineCore
+        answers a utility call between steps, so the polls of a replica that serves nothing would otherwise wake
+        it (and whatever it shares cores with) five times a second. None: read the engine."""
+        last, read_at = self._read[1], self._read[2]
+        if self._read[0] is not engine or engine.errored or self.inflight or last is None:
+            return None
+        if last.running or last.waiting or last.admitted or time.monotonic() - read_at >= self.report_interval_s:
+            return None
+        return last
 
     async def _pool_report(self, engine: Engine) -> PoolReport:
         """``engine.pool_report()``, watching the engine meanwhile: a utility call that was under way when

@@ -173,3 +173,20 @@ def test_rounds_against_round_robin_counts_each_round_at_each_deadline():
         ["2 x (4.0 s)", "12, 11, 9", "9, 9, 9", "2 / 1 / 0"],
         ["3 x (6.0 s)", "12, 12, 12", "12, 12, 12", "0 / 3 / 0"],
     ]
+
+
+def test_serve_rounds_interval_is_students_t_on_the_log_ratios():
+    """`bench serve`'s interval over rounds: equal ratios give a point; [1, 1.1, 0.9, 1.05] against the same
+    arithmetic written out (t(3) = 3.182); fewer than three rounds give none."""
+    import math
+    import statistics
+
+    from vtoken.bench.serve import geomean_interval
+
+    assert geomean_interval([1.02] * 5) == pytest.approx([1.02] * 3)
+    logs = [math.log(x) for x in (1.0, 1.1, 0.9, 1.05)]
+    m, half = statistics.fmean(logs), 3.182 * statistics.stdev(logs) / 2
+    assert geomean_interval([1.0, 1.1, 0.9, 1.05]) == pytest.approx(
+        [math.exp(m), math.exp(m - half), math.exp(m + half)]
+    )
+    assert geomean_interval([1.0, 1.1]) is None

@@ -198,3 +198,42 @@ def test_a_silent_replica_that_answers_a_ping_is_busy_not_dead():
     asyncio.run(go())
     assert ctl.replicas["busy"].state == "healthy" and ctl.replicas["busy"].alive_at > 0
     assert marked == ["gone"]
+
+
+class Counted(FakeEngine):
+    """Counts the pool reports asked of it (each one a utility call into a real engine's EngineCore)."""
+
+    reads = 0
+
+    async def pool_report(self):
+        self.reads += 1
+        return await super().pool_report()
+
+
+def test_an_idle_replica_reads_its_engine_once_a_report_interval_and_a_busy_one_every_poll():
+    """Polls every 10 ms, reports at least every 0.2 s. Idle for 0.5 s: a handful of engine reads, not ~50.
+    Serving: a read every poll, and the report after the request ended shows its blocks free again (the pool
+    is read once more after the last request leaves, before the reads slow down)."""
+    engine = Counted(total_blocks=8, token_delay_s=0.01)
+
+    async def go():
+        ctl = StubController()
+        r = Replica("r1", lambda: engine, ctl, report_interval_s=0.2, poll_s=0.01)
+        await r.start()
+        await asyncio.sleep(0.5)
+        idle = engine.reads
+        busy_from = engine.reads
+        got = await _collect(r, GenerateSpec("a", [1] * 40, {"max_tokens": 30}))
+        busy = engine.reads - busy_from
+        await asyncio.sleep(0.1)
+        after = engine.reads
+        await asyncio.sleep(0.4)
+        await r.shutdown()
+        return idle, busy, engine.reads - after, got, ctl.reports
+
+    idle, busy, idle_again, got, reports = asyncio.run(go())
+    assert got[-1].finished and not got[-1].error
+    assert idle <= 5 and idle_again <= 4, (idle, idle_again)  # one read each 0.2 s, not one each 10 ms
+    assert busy >= 5, busy  # 30 tokens of 10 ms: a read every poll (about 30)
+    busy_reports = [x for x in reports if x.pool.running]
+    assert busy_reports and reports[-1].pool.running == 0 and reports[-1].pool.free_blocks == 8

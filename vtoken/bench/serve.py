@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -56,6 +57,12 @@ def add_args(p) -> None:
     p.add_argument(
         "--rounds", type=int, default=1, help="run every server this many times, the order reversed each round"
     )
+    p.add_argument(
+        "--paired", action="store_true",
+        help="start every server once and keep them all up; each round is then one client run per server, back "
+        "to back (the order reversed each round), so many short rounds fit and each pair sees the same machine",
+    )  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=0, help="vLLM client's --max-concurrency (0: no limit)")
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -153,6 +160,7 @@ def client(args, url: str, folder: str, rate: float, out_dir: str) -> dict[str, 
         "--ignore-eos", "--temperature", "0", "--num-warmups", "2", "--disable-tqdm",
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,90,99",
         "--goodput", *args.goodput.replace(",", " ").split(),
+        *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
         "--save-result", "--result-dir", out_dir, "--result-filename", name,
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
@@ -182,19 +190,33 @@ def run(args) -> dict:
     folder = str(model_path(args.model))
     load_before = os.getloadavg()
     rounds: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(max(args.rounds, 1)):
+    n_rounds = max(args.rounds, 1)
+
+    def measure(name: str, url: str, i: int) -> dict[str, Any]:
+        out = {}
+        for rate in rates:
+            log(f"[serve] round {i + 1}/{n_rounds}, {name}: {args.num_prompts} requests at {rate}/s")
+            out[str(rate)] = r = client(args, url, folder, rate, tmp)
+            log(f"[serve] {name} @ {rate}/s: {r['completed']} ok, {r['failed']} failed, "
+                f"{r['request_throughput']:.3f} req/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
+                f"TPOT {r['mean_tpot_ms']:.1f} ms")  # fmt: skip
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as up:
+        urls: dict[str, str] = {}
+        if args.paired:  # every server up at once; an idle one waits on its sockets (its replica reads its
+            for name in names:  # engine once a report interval, actors/replica.py _idle_pool)
+                log(f"[serve] starting {name}")
+                urls[name] = up.enter_context(server(args, name, folder))
+        for i in range(n_rounds):
             runs: dict[str, dict[str, Any]] = {}
             for name in names if i % 2 == 0 else names[::-1]:  # drift between rounds hits every server alike
+                if args.paired:
+                    runs[name] = measure(name, urls[name], i)
+                    continue
                 log(f"[serve] round {i + 1}: starting {name}")
                 with server(args, name, folder) as url:
-                    runs[name] = {}
-                    for rate in rates:
-                        log(f"[serve] {name}: {args.num_prompts} requests at {rate}/s")
-                        runs[name][str(rate)] = r = client(args, url, folder, rate, tmp)
-                        log(f"[serve] {name} @ {rate}/s: {r['completed']} ok, {r['failed']} failed, "
-                            f"{r['request_throughput']:.3f} req/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
-                            f"TPOT {r['mean_tpot_ms']:.1f} ms")  # fmt: skip
+                    runs[name] = measure(name, url, i)
             rounds.append({name: runs[name] for name in names})
     runs = rounds[0]
     return {
@@ -205,6 +227,8 @@ def run(args) -> dict:
         "runs": runs,
         "ratios": ratios(runs),
         "rounds": rounds,
+        "paired": bool(args.paired),
+        "max_concurrency": args.max_concurrency or None,
         "vs_off": vs_off(rounds),
         "load": {"cpus": os.cpu_count(), "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0]},
     }
@@ -239,8 +263,31 @@ def vs_off(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]
             out.setdefault(name, {})[rate] = {
                 **{f"{k}_rounds": v for k, v in per.items()},
                 **{k: statistics.median(v) for k, v in per.items()},
+                **{f"{k}_geomean_ci95": geomean_interval(v) for k, v in per.items()},
             }
     return out
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (no scipy here).
+T95 = tuple(
+    map(
+        float,
+        "12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262 2.228 2.201 2.179 2.160 2.145"
+        " 2.131 2.120 2.110 2.101 2.093 2.086 2.080 2.074 2.069 2.064 2.060 2.056 2.052 2.048 2.045 2.042".split(),
+    )
+)
+
+
+def geomean_interval(ratios: list[float]) -> list[float] | None:
+    """[geometric mean, low, high]: the rounds' ratios' geometric mean and its 95% interval, Student's t on their
+    logarithms (the rounds taken as independent pairs). None below three rounds."""
+    n = len(ratios)
+    if n < 3:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = T95[min(n - 1, len(T95)) - 1] * sd / math.sqrt(n)
+    return [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -266,14 +313,30 @@ def tables(result: dict) -> list[Table]:
     load = result["load"]
     extra = []
     if result.get("vs_off"):
-        vrows = [[name, rate, f"x{q['mean_tpot_ms']:.3f}", " ".join(f"x{v:.3f}" for v in q["mean_tpot_ms_rounds"]),
-                  f"x{q['mean_ttft_ms']:.3f}"]
+
+        def ci(v):
+            return f"x{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]" if v else "-"
+
+        vrows = [[name, rate, f"x{q['mean_tpot_ms']:.3f}", ci(q.get("mean_tpot_ms_geomean_ci95")),
+                  " ".join(f"x{v:.3f}" for v in q["mean_tpot_ms_rounds"]), f"x{q['mean_ttft_ms']:.3f}",
+                  ci(q.get("mean_ttft_ms_geomean_ci95"))]
                  for name, by_rate in result["vs_off"].items() for rate, q in by_rate.items()]  # fmt: skip
+        how = "servers kept up, one client run each per round" if result.get("paired") else "servers restarted"
         extra.append(
             Table(
-                f"Over vToken off, round by round ({len(result.get('rounds', [1]))} rounds, servers alternated)",
-                ["server", "rate/s", "TPOT (median)", "TPOT per round", "TTFT (median)"],
+                f"Over vToken off, round by round ({len(result.get('rounds', [1]))} rounds, servers alternated, {how})",
+                [
+                    "server",
+                    "rate/s",
+                    "TPOT (median)",
+                    "TPOT geomean [95%]",
+                    "TPOT per round",
+                    "TTFT (median)",
+                    "TTFT geomean [95%]",
+                ],  # fmt: skip
                 vrows,
+                "Geometric mean of the rounds' ratios with its 95% interval (Student's t on the logarithms); "
+                "- below three rounds.",
             )
         )
     return [
