@@ -45,6 +45,9 @@ def add_args(p) -> None:
         "--no-off", action="store_true", help="skip mode off (its ratios are then missing); searches start at --start"
     )
     p.add_argument("--start", type=int, default=4, help="first N tried when mode off is skipped")
+    p.add_argument(
+        "--modes", default="naive,vtoken", help="which of naive and vtoken to search (without naive: no vs_naive)"
+    )
 
 
 def _block_bytes(model_dir: str, bs: int, dtype_bytes: int = 4) -> int:
@@ -148,7 +151,10 @@ def run(args) -> dict:
                 {"mode": "off", "prefill_evict": None, "budget": 1.0, **_search(e, prompts, m, None, 1, "off", max_n)}
             )
         start = {b: results[0]["max_concurrency"] for b in budgets}
-    for mode in ("naive", "vtoken"):
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"naive", "vtoken"}:
+        raise SystemExit(f"--modes: choose from naive, vtoken (got {args.modes!r})")
+    for mode in [m for m in ("naive", "vtoken") if m in modes]:
         with Engine(model_dir, mode, {"policy": args.policy, "prefill_chunk": chunk}, **kw) as e:
             pool = e.total_blocks
             for b in budgets:

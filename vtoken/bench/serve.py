@@ -149,14 +149,16 @@ def server(args, name: str, folder: str):
 
 
 # ---------------------------------------------------------------------------------------------- client
-def client(args, url: str, folder: str, rate: float, out_dir: str) -> dict[str, Any]:
-    """One run of vLLM's benchmark client; its saved result (vLLM's own field names)."""
+def client(args, url: str, folder: str, rate: float, out_dir: str, seed: int | None = None) -> dict[str, Any]:
+    """One run of vLLM's benchmark client; its saved result (vLLM's own field names). ``seed`` picks the random
+    prompts (default ``--seed``)."""
     name = f"client-{time.monotonic_ns()}.json"
     cmd = [
         sys.executable, "-m", "vtoken.bench.vllm_client", "--backend", "openai", "--base-url", url,
         "--model", args.model, "--tokenizer", folder, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed", str(args.seed),
+        "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+        "--seed", str(args.seed if seed is None else seed),
         "--ignore-eos", "--temperature", "0", "--num-warmups", "2", "--disable-tqdm",
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,90,99",
         "--goodput", *args.goodput.replace(",", " ").split(),
@@ -196,7 +198,9 @@ def run(args) -> dict:
         out = {}
         for rate in rates:
             log(f"[serve] round {i + 1}/{n_rounds}, {name}: {args.num_prompts} requests at {rate}/s")
-            out[str(rate)] = r = client(args, url, folder, rate, tmp)
+            # Each round its own prompts (the same for every server): a server kept up would otherwise find the
+            # last round's prompts in its prefix cache.
+            out[str(rate)] = r = client(args, url, folder, rate, tmp, seed=args.seed + i)
             log(f"[serve] {name} @ {rate}/s: {r['completed']} ok, {r['failed']} failed, "
                 f"{r['request_throughput']:.3f} req/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
                 f"TPOT {r['mean_tpot_ms']:.1f} ms")  # fmt: skip
