@@ -149,17 +149,21 @@ def server(args, name: str, folder: str):
 
 
 # ---------------------------------------------------------------------------------------------- client
-def client(args, url: str, folder: str, rate: float, out_dir: str, seed: int | None = None) -> dict[str, Any]:
+def client(
+    args, url: str, folder: str, rate: float, out_dir: str, seed: int | None = None, num_prompts: int | None = None
+) -> dict[str, Any]:
     """One run of vLLM's benchmark client; its saved result (vLLM's own field names). ``seed`` picks the random
-    prompts (default ``--seed``)."""
+    prompts (default ``--seed``). No warm-up requests: vLLM's client warms up with its first prompt, which a
+    server with a prefix cache (stock vLLM by default; vToken only when asked) would then serve from the cache
+    in a fraction of the time. ``warm`` warms a server once, on prompts of its own."""
     name = f"client-{time.monotonic_ns()}.json"
     cmd = [
         sys.executable, "-m", "vtoken.bench.vllm_client", "--backend", "openai", "--base-url", url,
         "--model", args.model, "--tokenizer", folder, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+        "--num-prompts", str(num_prompts or args.num_prompts), "--request-rate", str(rate),
         "--seed", str(args.seed if seed is None else seed),
-        "--ignore-eos", "--temperature", "0", "--num-warmups", "2", "--disable-tqdm",
+        "--ignore-eos", "--temperature", "0", "--num-warmups", "0", "--disable-tqdm",
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,90,99",
         "--goodput", *args.goodput.replace(",", " ").split(),
         *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
@@ -173,6 +177,15 @@ def client(args, url: str, folder: str, rate: float, out_dir: str, seed: int | N
     out = {k: raw.get(k) for k in keep}
     out.update({k: v for k, v in raw.items() if k.endswith("_ms") and k.split("_")[1] in METRICS})
     return out
+
+
+WARM_SEED = 1_000_003  # the warm-up's prompts: none of the measured rounds' (seeds --seed + round)
+
+
+def warm(args, url: str, folder: str, out_dir: str) -> None:
+    """Two requests on prompts no round uses, one after the other, before a server is measured."""
+    log("[serve] warming up")
+    client(args, url, folder, float("inf"), out_dir, seed=WARM_SEED, num_prompts=2)
 
 
 def run(args) -> dict:
@@ -212,6 +225,7 @@ def run(args) -> dict:
             for name in names:  # engine once a report interval, actors/replica.py _idle_pool)
                 log(f"[serve] starting {name}")
                 urls[name] = up.enter_context(server(args, name, folder))
+                warm(args, urls[name], folder, tmp)
         for i in range(n_rounds):
             runs: dict[str, dict[str, Any]] = {}
             for name in names if i % 2 == 0 else names[::-1]:  # drift between rounds hits every server alike
@@ -220,6 +234,7 @@ def run(args) -> dict:
                     continue
                 log(f"[serve] round {i + 1}: starting {name}")
                 with server(args, name, folder) as url:
+                    warm(args, url, folder, tmp)
                     runs[name] = measure(name, url, i)
             rounds.append({name: runs[name] for name in names})
     runs = rounds[0]
@@ -258,8 +273,9 @@ def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def vs_off(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each server's mean TPOT and TTFT (and median TTFT) over vToken off's, round by round (each round's servers ran
     back to back), with the median over rounds: what turning vToken on costs, in one run. The median TTFT is the
-    steadier one: vLLM's client warms up with its first prompt, which stock vLLM's prefix cache (on by default,
-    off under vToken unless asked for) then serves in a fraction of the time, one request of the round."""
+    steadier one where a round's requests include a prefix-cache hit (runs before ``warm``: vLLM's client warmed up
+    with the round's first prompt, which stock vLLM's prefix cache, on by default and off under vToken unless
+    asked for, then served in a fraction of the time)."""
     out: dict[str, dict[str, Any]] = {}
     for name in rounds[0]:
         if name == "off" or "off" not in rounds[0]:
@@ -343,8 +359,9 @@ def tables(result: dict) -> list[Table]:
                     "median TTFT geomean [95%]",
                 ],  # fmt: skip
                 vrows,
-                "TPOT and TTFT: each round's mean over its requests; median TTFT: each round's median request "
-                "(vLLM's client warms up with its first prompt, which off's prefix cache then serves fast). "
+                "TPOT and TTFT: each round's mean over its requests; median TTFT: each round's median request. "
+                "Each server is warmed once on prompts no round sends (before this, vLLM's client warmed up with "
+                "a round's first prompt, which off's prefix cache then served fast). "
                 "Geometric mean of the rounds' ratios with its 95% interval (Student's t on the logarithms); "
                 "- below three rounds.",
             )
