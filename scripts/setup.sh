@@ -24,8 +24,13 @@ if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "setup: .venv is up to date ($flavour)"; exit 0
 fi
 
+# A fresh .venv takes about 4 GB (torch, vLLM and their deps); say so before pip fails half-way with ENOSPC.
+free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+if [ ! -x .venv/bin/python ] && [ "${free_kb:-0}" -lt $((5 * 1024 * 1024)) ]; then
+  echo "setup: .venv needs about 4 GB and $(pwd) has $((free_kb / 1024)) MB free: free some disk first" >&2; exit 1
+fi
 [ -x .venv/bin/python ] || { echo "setup: creating .venv with $("$py" --version)"; "$py" -m venv .venv; }
-pip=(.venv/bin/python -m pip --disable-pip-version-check)
+pip=(.venv/bin/python -m pip --disable-pip-version-check --no-cache-dir)  # no second copy of each wheel
 extra=()
 # torch 2.13.0+cpu is a local-version wheel: PyTorch's own index serves it when no local wheel folder does.
 if [ "$flavour" = cpu ] && ! ls ${PIP_FIND_LINKS:-/opt/wheels}/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then

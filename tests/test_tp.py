@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -175,6 +176,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
             shutdown_llm(llm)
             del llm
     s.log = (tmp / "engine.log").read_text(errors="replace")
+    shutil.rmtree(tmp, ignore_errors=True)  # its log and trace are read; /tmp is shared with other runs
     return s
 
 
