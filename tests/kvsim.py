@@ -39,6 +39,7 @@ class SimPool:
         self.blocks = [SimBlock(i) for i in range(num_blocks)]
         self.free = deque(self.blocks)
         self.uncached: set[int] = set()
+        self.num_gpu_blocks = num_blocks + 1  # as vLLM's BlockPool counts: with its null block, which we lack
 
     def get_new_blocks(self, n: int) -> list[SimBlock]:
         if n > len(self.free):
@@ -82,6 +83,7 @@ class KVSim:
         mode="vtoken",
         seed=0,
         trace=False,
+        floor=0.0,
     ):
         self.bs, self.layers, self.heads, self.hs, self.layout = block_size, layers, heads, head_size, layout
         shape = (
@@ -92,7 +94,8 @@ class KVSim:
         self.kv = [torch.zeros(shape) for _ in range(layers)]
         self.pool = SimPool(num_blocks)
         self.reqs: dict[str, SimRequest] = {}
-        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks, trace=trace)
+        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks, trace=trace,
+                              floor=floor)  # fmt: skip
         self.mover = mover or CpuMover(block_size, layout)
         self.gen = torch.Generator().manual_seed(seed)
         self.moves_done = 0

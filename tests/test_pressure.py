@@ -80,3 +80,17 @@ def test_snapkv_keepers_shed_by_their_decode_window_scored_on_demand_and_stay_ex
         decode_deaths += int((died >= len(t["prompt_token_ids"])).sum())
     assert decode_deaths > 0, "the window judged decode tokens too"
     check_exact(r)
+
+
+def test_a_floor_holds_back_who_does_not_fit_sheds_less_and_stays_exact():
+    """``pressure_floor`` (0.9): a waiting request is admitted only while every request fits at its floor
+    (vtoken/shedding.py admissible), so fewer run at once, fewer tokens are shed, nobody is preempted, and the
+    outputs equal the masked reference."""
+    floored = engine({**CFG, "evict": "pressure", "park_tokens": 4096, "pressure_floor": 0.9}, **SHORT)
+    plain = short("pressure")
+    assert floored.stats["peak_running"] < plain.stats["peak_running"], (floored.stats, plain.stats)
+    died = {m: sum(len(t["evicted_positions"]) for t in r.trace) for m, r in (("floor", floored), ("plain", plain))}
+    assert died["floor"] < died["plain"], died
+    assert floored.metrics["vllm:num_preemptions"] == 0
+    assert floored.tokens != plain.tokens or died["floor"] == 0
+    check_exact(floored)

@@ -13,7 +13,7 @@ from kvsim import KVSim
 
 from vtoken.phase import Phase
 from vtoken.policies import make_policy
-from vtoken.shedding import Holder, plan_sheds, tokens_for
+from vtoken.shedding import Holder, admissible, blocks_given, plan_sheds, plan_sheds_above, reserved_blocks, tokens_for
 
 BS = 4
 
@@ -114,3 +114,59 @@ def test_with_no_shortfall_nothing_is_evicted():
     st_ = sim.core.states["a"]
     assert st_.table.num_live == st_.table.num_logical == 34 and sim.core.totals.tokens_evicted == 0
     assert np.array_equal(st_.table.live_logical(), np.arange(34))
+
+
+# ------------------------------------------------------------------ pressure_floor
+@settings(max_examples=300, deadline=None)
+@given(
+    holders=st.lists(holder, min_size=1, max_size=4),
+    floors=st.lists(st.integers(0, 30), min_size=4, max_size=4),
+    shortfall=st.integers(1, 12),
+)
+def test_with_a_floor_sheds_go_below_it_only_when_what_is_above_cannot_cover_the_shortfall(holders, floors, shortfall):
+    above = [min(a, h.most) for h, a in zip(holders, floors)]
+    plan = plan_sheds_above(holders, above, shortfall, BS)
+    assert all(0 <= c <= h.most for h, c in zip(holders, plan)), "never below a request's budget"
+    blocks = min(sum(gained(h, c) for h, c in zip(holders, plan)), shortfall)
+    assert blocks == brute(holders, shortfall)[0], "covered as far as the budgets allow, as without a floor"
+    capped = [h._replace(most=a) for h, a in zip(holders, above)]
+    if brute(capped, shortfall)[0] >= shortfall:  # what lies above the floors covers it: nobody goes below
+        assert all(c <= a for c, a in zip(plan, above)), (plan, above)
+        assert sum(plan) == sum(plan_sheds(capped, shortfall, BS))
+    assert [blocks_given(h, c, BS) for h, c in zip(holders, plan)] == [gained(h, c) for h, c in zip(holders, plan)]
+
+
+def test_admission_stops_at_the_first_waiting_request_that_does_not_fit_at_its_floor():
+    assert admissible(0, [10, 10, 10], 25) == 2
+    assert admissible(20, [10, 1], 25) == 0, "first come, first served: the small one does not jump the queue"
+    assert admissible(0, [40], 25) == 1, "with nothing running the first is admitted whatever it reserves"
+    assert admissible(5, [40], 25) == 0
+    assert reserved_blocks(100, 10, 0.5, 8, BS) == 15  # 50 tokens at the floor and 8 being written: 58 -> 15 blocks
+    assert reserved_blocks(100, 60, 0.5, 1, BS) == 16  # a budget above the floor wins
+
+
+def test_on_the_compactor_a_floor_keeps_running_requests_above_it_and_holds_back_who_does_not_fit():
+    below = {}
+    for floor in (0.5, 0.0):  # 0.0: the negative control, the same shortfall without a floor
+        sim = KVSim(num_blocks=64, block_size=BS, floor=floor)
+        policy = make_policy("random", budget=0.25, sink=1, recent=2)
+        for i in range(3):
+            sim.add(f"r{i}", prompt=60, policy=policy, pressure=True)
+        sim.step({f"r{i}": 60 for i in range(3)})  # 45 of 64 blocks
+        sim.step({rid: 1 for rid in sim.reqs}, waiting=[8 * BS])  # short by 45 + 8 - 64 < 0: nothing shed yet
+        if floor:
+            # At the floor each running request holds 30 of its 60 tokens and the one it writes: 8 blocks, 24 for
+            # the three; a waiting request of 40 tokens reserves 20 and 1: 6 blocks; one chunk of 8 tokens (2
+            # blocks) is set aside for all. 24 + 6 * 6 <= 64 - 2 < 24 + 7 * 6.
+            assert sim.core.admissible([(40, 10, True)] * 9, 0, 8) == 6  # (tables know the prompts once a step began)
+            assert sim.core.admissible([(40, 10, True)] * 9, 6, 8) == 5, "the watermark is set aside too"
+            assert sim.core.admissible([(40, 10, False)] * 9, 0, 8) == 9, "in always mode: its budget, 3 blocks"
+            assert sim.core.admissible([(40, 10, False)] * 20, 0, 8) == 12
+        else:
+            assert sim.core.admissible([(40, 10, True)] * 9, 0, 8) is None, "no floor: vLLM admits as it would"
+        sim.step({rid: 1 for rid in sim.reqs}, waiting=[12 * BS] * 3)  # short by 48 + 36 - 64 = 20 blocks
+        assert sim.core.totals.tokens_evicted > 0
+        assert all(st_.table.num_live >= st_.keep(st_.table.num_logical) for st_ in sim.core.states.values())
+        below[floor] = sum(st_.table.num_live < -(-st_.table.num_logical // 2) for st_ in sim.core.states.values())
+        sim.check()
+    assert below == {0.5: 0, 0.0: 1}, below  # what lies above the floors covers the 20 blocks

@@ -40,6 +40,7 @@ the question as in always mode, keeping as many as it holds.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -55,7 +56,7 @@ from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.request_state import RequestState
 from vtoken.schedule import Schedule
-from vtoken.shedding import Holder, plan_sheds
+from vtoken.shedding import Holder, admissible, plan_sheds, plan_sheds_above, reserved_blocks
 from vtoken.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
@@ -120,11 +121,13 @@ class Compactor:
         blocks_of: Callable[[str], list],
         tier: TierSlots | None = None,
         trace: bool = False,
+        floor: float = 0.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
         self.tier = tier
+        self.floor = float(floor)  # pressure_floor: sheds for room go below it last (vtoken/shedding.py)
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
@@ -376,6 +379,23 @@ class Compactor:
         return StepPlan(MoveBatch.concat(moves), keep, gaps, MoveBatch.concat(self._park),
                         MoveBatch.concat(self._restore))  # fmt: skip
 
+    def admissible(self, waiting: Sequence[tuple[int, int, bool]], watermark: int, chunk: int) -> int | None:
+        """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
+        admitted so that every request fits in the pool at its floor (vtoken/shedding.py admissible); None without
+        a floor (the engine admits as it would). ``waiting``: each one's (tokens, tokens its budget keeps of them,
+        in pressure mode). A request in always mode reserves its budget, one in pressure mode its floor, each with
+        the token it writes next; one prefill chunk is set aside for all (a request reading its prompt holds its
+        next chunk on top of its floor; more than one such chunk at once sheds towards the budgets instead)."""
+        if self.floor <= 0:
+            return None
+        reserved = 0
+        for st in self.states.values():
+            length = max(st.prefill_len, st.table.num_logical)
+            floor = self.floor if st.schedule.eager else 0.0  # eager: in pressure mode
+            reserved += reserved_blocks(length, st.keep(length), floor, 1, self.bs)
+        need = [reserved_blocks(n, keep, self.floor if pressure else 0.0, 1, self.bs) for n, keep, pressure in waiting]
+        return admissible(reserved, need, self.pool.num_gpu_blocks - 1 - watermark - -(-chunk // self.bs))
+
     def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
         """Blocks the waiting requests' first forwards need, plus the watermark, beyond the free ones."""
         return sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
@@ -419,9 +439,14 @@ class Compactor:
                 continue
             writing = st.table.physical_len + p.next_tokens
             holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
-            found.append((Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked))
-        counts = plan_sheds([f[0] for f in found], shortfall, self.bs)
-        for (_, p, st, ranked), count in zip(found, counts):
+            above = st.table.num_live - max(st.keep(st.table.num_logical), math.ceil(self.floor * st.table.num_logical))
+            found.append((Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)))
+        holders = [f[0] for f in found]
+        if self.floor > 0:
+            counts = plan_sheds_above(holders, [f[4] for f in found], shortfall, self.bs)
+        else:
+            counts = plan_sheds(holders, shortfall, self.bs)
+        for (_, p, st, ranked, _), count in zip(found, counts):
             if not count:
                 continue
             if st.record.shed_at < 0:

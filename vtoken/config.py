@@ -85,6 +85,16 @@ class VTokenConfig(BaseModel):
     pressure_watermark: float = Field(
         0.02, ge=0, lt=1, description="evict: pressure: the share of the pool's blocks kept free on top of the demand"
     )
+    pressure_floor: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="evict: pressure: the share of its tokens a request keeps at least when the pool runs short for "
+        "a request that waits. A waiting request is admitted only while every running request and it fit in the pool "
+        "at this share of their prompts (vtoken/shedding.py admissible); otherwise it waits, and answers are not "
+        "traded for concurrency below it. A running request's own growth may still take the requests down to their "
+        "budgets (never a preemption). 0 (the default): the budget is the only floor, the most requests run at once",
+    )
     park_tokens: int | Literal["auto"] = Field(
         "auto",
         description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "

@@ -22,6 +22,7 @@ Which tokens a request sheds is its policy's choice: its lowest-scored candidate
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 
@@ -59,3 +60,45 @@ def plan_sheds(holders: list[Holder], shortfall: int, block_size: int) -> list[i
     for _, _, g, i in sorted(offers)[:shortfall]:
         taken[i] = max(taken[i], g)
     return [tokens_for(h, g, block_size) for h, g in zip(holders, taken)]
+
+
+def blocks_given(h: Holder, tokens: int, block_size: int) -> int:
+    """Blocks ``h`` gives back when it sheds ``tokens`` (and packs the rest)."""
+    return max(h.holds - -(-(h.writing_len - tokens) // block_size), 0) if tokens else 0
+
+
+def plan_sheds_above(holders: list[Holder], above: list[int], shortfall: int, block_size: int) -> list[int]:
+    """``pressure_floor``: the holders shed first only what they hold above their floors (``above``: tokens each
+    may shed before it reaches its floor), as ``plan_sheds`` chooses; what is still short then comes from what
+    they hold between floor and budget, chosen the same way. Lexicographic: no token below a floor is shed while
+    a block above the floors would cover the shortfall."""
+    first = plan_sheds([h._replace(most=min(h.most, a)) for h, a in zip(holders, above)], shortfall, block_size)
+    given = [blocks_given(h, c, block_size) for h, c in zip(holders, first)]
+    if sum(given) >= shortfall:
+        return first
+    rest = [
+        h._replace(writing_len=h.writing_len - c, holds=h.holds - g, most=h.most - c)
+        for h, c, g in zip(holders, first, given)
+    ]
+    second = plan_sheds(rest, shortfall - sum(given), block_size)
+    return [a + b for a, b in zip(first, second)]
+
+
+def reserved_blocks(length: int, keep: int, floor: float, writing: int, block_size: int) -> int:
+    """Blocks a request of ``length`` tokens holds at its floor (at least ``keep``, its budget) while a forward
+    writes ``writing`` new tokens: what admission sets aside for it under ``pressure_floor``."""
+    return -(-(max(keep, math.ceil(floor * length)) + writing) // block_size)
+
+
+def admissible(reserved: int, waiting: list[int], capacity: int) -> int:
+    """How many of the waiting requests, in order, the pool admits: each reserves ``waiting[i]`` blocks, the running
+    ones ``reserved`` together, and all of it fits in ``capacity``. Admission stops at the first that does not fit
+    (first come, first served); with nothing running the first is admitted whatever it reserves (it would wait
+    forever otherwise, and its own growth sheds down to its budget)."""
+    k = 0
+    for need in waiting:
+        if reserved + need > capacity and (reserved or k):
+            break
+        reserved += need
+        k += 1
+    return k

@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vtoken.budget import kept_tokens
 from vtoken.compactor import Compactor, Progress, StepPlan
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
 from vtoken.park import TierSlots
@@ -65,6 +66,7 @@ class VTokenScheduler(Scheduler):
             lambda rid: self.vt_manager.req_to_blocks[rid],
             tier,
             trace=bool(self.vt.trace_path),
+            floor=self.vt.pressure_floor,  # for the requests in pressure mode (the engine's default or their own)
         )
         sc = vllm_config.scheduler_config
         self.vt_chunk = sc.long_prefill_token_threshold or sc.max_num_batched_tokens
@@ -116,7 +118,13 @@ class VTokenScheduler(Scheduler):
             if rid in cached:
                 cached[rid] = min(cached[rid], keep)
         t1 = time.perf_counter()
-        out = super().schedule(*args, **kwargs)
+        limit, active = self._admission_limit(), self.max_num_active_reqs
+        if limit is not None:  # pressure_floor: the rest wait (vLLM's own cap on admission, for this call only)
+            self.max_num_active_reqs = min(active, len(self.running) + self.num_waiting_for_streaming_input + limit)
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_active_reqs = active
         t2 = time.perf_counter()
         step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore)
         record: list[str] = []
@@ -174,8 +182,27 @@ class VTokenScheduler(Scheduler):
         nothing)."""
         if not self.vt_core.pressure_active():
             return []
-        admissible = itertools.islice(self.waiting, max(self.vt_max_seqs - len(self.running), 0))
-        return [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in admissible]
+        found = [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in self._next_admitted()]
+        limit = self._admission_limit()
+        return found if limit is None else found[:limit]
+
+    def _next_admitted(self) -> list:
+        """The waiting requests vLLM would admit next, in order, as many as max_num_seqs lets run."""
+        return list(itertools.islice(self.waiting, max(self.vt_max_seqs - len(self.running), 0)))
+
+    def _admission_limit(self) -> int | None:
+        """pressure_floor: how many of the next waiting requests may be admitted so that every request fits in the
+        pool at its floor (Compactor.admissible); None without a floor. vLLM's Scheduler.schedule admits a waiting
+        request whenever the pool holds its first chunk; this caps how many it may admit in this step."""
+        if self.vt_core.floor <= 0:
+            return None
+        waiting = []
+        for r in self._next_admitted():
+            policy, opts = self._policy_for(r)
+            n = r.num_tokens
+            keep = kept_tokens(n, policy.budget, policy.sink, policy.recent) if policy is not None else n
+            waiting.append((n, keep, opts.evict == "pressure"))
+        return self.vt_core.admissible(waiting, self.vt_watermark, self.vt_chunk) if waiting else None
 
     def _progress(self) -> list[Progress]:
         core, chunk = self.vt_core, self.vt_chunk
