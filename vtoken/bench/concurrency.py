@@ -36,6 +36,13 @@ def add_args(p) -> None:
         help="eviction mode of naive and vtoken (pressure: the budget is a floor, shed only when the pool is short)",
     )
     p.add_argument(
+        "--pressure-floor",
+        type=float,
+        default=0.0,
+        help="naive and vtoken: pressure_floor (with --evict pressure: a request waits rather than push those running "
+        "below this share of their tokens)",
+    )
+    p.add_argument(
         "--eviction",
         choices=("both", "prefill", "decode"),
         default="both",
@@ -155,7 +162,8 @@ def run(args) -> dict:
     if not modes or set(modes) - {"naive", "vtoken"}:
         raise SystemExit(f"--modes: choose from naive, vtoken (got {args.modes!r})")
     for mode in [m for m in ("naive", "vtoken") if m in modes]:
-        with Engine(model_dir, mode, {"policy": args.policy, "prefill_chunk": chunk}, **kw) as e:
+        cfg = {"policy": args.policy, "prefill_chunk": chunk, "pressure_floor": args.pressure_floor}
+        with Engine(model_dir, mode, cfg, **kw) as e:
             pool = e.total_blocks
             for b in budgets:
                 for prefill in prefills:
@@ -184,6 +192,7 @@ def run(args) -> dict:
         "pool_blocks": pool,
         "budgets": budgets,
         "evict": evict,
+        "pressure_floor": args.pressure_floor,
         "results": results,
     }
 
@@ -206,7 +215,9 @@ def tables(result: dict) -> list[Table]:
             f"Maximum feasible concurrency in a {result['pool_blocks']}-block pool ({result['model']}, "
             f"{result['policy']}, {result['prompt_tokens']}-token prompts read in chunks of "
             f"{result.get('prefill_chunk')}, {result['max_tokens']} output tokens, "
-            f"evict: {result.get('evict', 'always')})",
+            f"evict: {result.get('evict', 'always')}"
+            + (f", pressure floor {result['pressure_floor']:g}" if result.get("pressure_floor") else "")
+            + ")",
             [
                 "eviction",
                 "budget",

@@ -56,6 +56,9 @@ def add_args(p) -> None:
     p.add_argument("--kv-bytes", type=int, default=1 << 30, help="the KV pool (a pool that never runs short)")
     p.add_argument("--saturate", default="", help="policy@budget:mode,... also served into a small pool at once")
     p.add_argument("--saturate-kv-bytes", type=int, default=96 << 20)
+    p.add_argument("--pressure-floor", type=float, default=0.0,
+                   help="pressure_floor of the engines (pressure mode: a request waits rather than push those running "
+                   "below this share of their tokens)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (niah 12, multi 16, agree 32)")
     controls = "agree: also the question without its document, and full KV in bf16, scored the same way"
     p.add_argument("--controls", action="store_true", help=controls)
@@ -79,7 +82,8 @@ def options(policy: str, budget: float, mode: str, window: int) -> dict:
 
 
 def _engine_cfg(args, park: bool) -> dict:
-    cfg = {"policy": "h2o", "collect_scores": True, "prefill_chunk": args.prefill_chunk}
+    cfg = {"policy": "h2o", "collect_scores": True, "prefill_chunk": args.prefill_chunk,
+           "pressure_floor": args.pressure_floor}  # fmt: skip
     return {**cfg, "park_tokens": args.park_tokens if park else 0}
 
 
@@ -297,6 +301,7 @@ def settings(args, cases) -> dict:
         "prefill_chunk": args.prefill_chunk,
         "window": args.window,
         "park_tokens": args.park_tokens,
+        "pressure_floor": args.pressure_floor,
         "budgets": [float(b) for b in args.budgets.split(",")],
         "max_tokens": args.max_tokens,
     }

@@ -51,6 +51,12 @@ def add_args(p) -> None:
     p.add_argument("--workload", choices=("tokens", "retrieval"), default="tokens")
     p.add_argument("--evict", choices=("always", "pressure"), default="pressure", help="naive and vtoken")
     p.add_argument(
+        "--pressure-floor",
+        type=float,
+        default=0.0,
+        help="naive and vtoken: pressure_floor (a request waits rather than push those running below this share)",
+    )
+    p.add_argument(
         "--park-tokens",
         type=lambda v: v if v == "auto" else int(v),
         default="auto",
@@ -203,7 +209,7 @@ def run(args) -> dict:
         long_prefill_token_threshold=chunk,  # every mode reads prompts in the same chunks
     )
     cfg = {"policy": args.policy, "budget": args.budget, "prefill_chunk": chunk, "evict": args.evict,
-           "park_tokens": args.park_tokens}  # fmt: skip
+           "park_tokens": args.park_tokens, "pressure_floor": args.pressure_floor}  # fmt: skip
     factors = (args.ttft_factor, args.tpot_factor)
     common = (model_dir, cfg, kw, prompts, m, rates, n, args.seed)
     modes = {"off": asyncio.run(_mode(common[0], "off", *common[1:], None, factors, answers))}
@@ -218,6 +224,7 @@ def run(args) -> dict:
         "workload": args.workload,
         "evict": args.evict,
         "park_tokens": args.park_tokens,
+        "pressure_floor": args.pressure_floor,
         "model": model,
         "policy": args.policy,
         "budget": args.budget,
@@ -271,7 +278,9 @@ def tables(result: dict) -> list[Table]:
         out.append(
             Table(
                 "Served-correct goodput: requests per second that met the SLA and retrieved their needle "
-                f"({result['evict']} eviction, parking tier {result['park_tokens']} tokens)",
+                f"({result['evict']} eviction, parking tier {result['park_tokens']} tokens"
+                + (f", pressure floor {result['pressure_floor']:g}" if result.get("pressure_floor") else "")
+                + ")",
                 [
                     "mode",
                     "max rate within SLA",
