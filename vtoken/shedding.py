@@ -18,6 +18,13 @@ The order, and why:
   3. then the request holding most above its budget (the loss is the smallest share of what it holds);
   4. then the request id (a total order: every TP rank and every rerun decides the same).
 Which tokens a request sheds is its policy's choice: its lowest-scored candidates.
+
+With ``pressure_floor`` (a share of each request's tokens, above its budget) the same order runs twice: first over
+what each request holds above its floor, then, only if that cannot cover the shortfall (the running requests' own
+forwards need more), over what lies between floor and budget (``plan_sheds_above``). Admission keeps the first
+pass sufficient for the waiting requests: one is admitted only while every request fits at its floor
+(``admissible``, ``reserved_blocks``); otherwise it waits, as in stock vLLM, instead of being paid for with
+answers.
 """
 
 from __future__ import annotations
