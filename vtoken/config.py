@@ -91,8 +91,8 @@ class VTokenConfig(BaseModel):
         le=1,
         description="evict: pressure: the share of its tokens a request keeps at least when the pool runs short for "
         "a request that waits. A waiting request is admitted only while every running request and it fit in the pool "
-        "at this share of their prompts (vtoken/shedding.py admissible); otherwise it waits, and answers are not "
-        "traded for concurrency below it. A running request's own growth may still take the requests down to their "
+        "at this share of their tokens (vtoken/shedding.py admissible); otherwise it waits, and answers are not "
+        "traded for concurrency below it. The running requests' own growth may still take them down to their "
         "budgets (never a preemption). 0 (the default): the budget is the only floor, the most requests run at once",
     )
     park_tokens: int | Literal["auto"] = Field(
