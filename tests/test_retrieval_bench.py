@@ -36,9 +36,11 @@ def test_saturated_tier_only_for_park_and_pressure(monkeypatch):
     monkeypatch.setattr(retrieval, "Engine", FakeEngine)
     monkeypatch.setattr(retrieval, "_serve", fake_serve)
     args = SimpleNamespace(saturate="snapkv@0.25:always,snapkv@0.25:pressure,h2o@0.25:park",
-                           saturate_kv_bytes=1 << 20, prefill_chunk=64, park_tokens=4096, suite="niah")  # fmt: skip
+                           saturate_kv_bytes=1 << 20, prefill_chunk=64, park_tokens=4096, suite="niah",
+                           pressure_floor=0.5)  # fmt: skip
     cases = [SimpleNamespace(answer="1", task="single", length=256)]
     out = retrieval._saturated(args, "folder", None, cases, {"kv_bytes": 1 << 30})
     assert set(out) == {"snapkv@0.25:always", "snapkv@0.25:pressure", "h2o@0.25:park"}
     tiers = {name: e.cfg.get("park_tokens", "auto") != 0 for e in engines for name in e.served}  # auto: a tier
     assert tiers == {"snapkv@0.25:always": False, "snapkv@0.25:pressure": True, "h2o@0.25:park": True}
+    assert {e.cfg["pressure_floor"] for e in engines} == {0.5}, "--pressure-floor reaches every engine"
