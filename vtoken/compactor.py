@@ -40,7 +40,6 @@ the question as in always mode, keeping as many as it holds.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -56,7 +55,7 @@ from vtoken.policies import EvictionPolicy, PolicyInput
 from vtoken.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.request_state import RequestState
 from vtoken.schedule import Schedule
-from vtoken.shedding import Holder, admissible, plan_sheds, plan_sheds_above, reserved_blocks
+from vtoken.shedding import Holder, admissible, floor_tokens, plan_sheds, plan_sheds_above, reserved_blocks
 from vtoken.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
@@ -439,7 +438,8 @@ class Compactor:
                 continue
             writing = st.table.physical_len + p.next_tokens
             holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
-            above = st.table.num_live - max(st.keep(st.table.num_logical), math.ceil(self.floor * st.table.num_logical))
+            n = st.table.num_logical
+            above = st.table.num_live - floor_tokens(n, st.keep(n), self.floor)
             found.append((Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)))
         holders = [f[0] for f in found]
         if self.floor > 0:

@@ -91,10 +91,16 @@ def plan_sheds_above(holders: list[Holder], above: list[int], shortfall: int, bl
     return [a + b for a, b in zip(first, second)]
 
 
+def floor_tokens(length: int, keep: int, floor: float) -> int:
+    """Live tokens a request of ``length`` tokens keeps at its floor: ``floor`` of them, and at least ``keep``
+    (its budget)."""
+    return max(keep, math.ceil(floor * length))
+
+
 def reserved_blocks(length: int, keep: int, floor: float, writing: int, block_size: int) -> int:
-    """Blocks a request of ``length`` tokens holds at its floor (at least ``keep``, its budget) while a forward
-    writes ``writing`` new tokens: what admission sets aside for it under ``pressure_floor``."""
-    return -(-(max(keep, math.ceil(floor * length)) + writing) // block_size)
+    """Blocks a request of ``length`` tokens holds at its floor (``floor_tokens``) while a forward writes
+    ``writing`` new tokens: what admission sets aside for it under ``pressure_floor``."""
+    return -(-(floor_tokens(length, keep, floor) + writing) // block_size)
 
 
 def admissible(reserved: int, waiting: list[int], capacity: int) -> int:

@@ -182,22 +182,24 @@ class VTokenScheduler(Scheduler):
         nothing)."""
         if not self.vt_core.pressure_active():
             return []
-        found = [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in self._next_admitted()]
-        limit = self._admission_limit()
+        nxt = self._next_admitted()
+        found = [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in nxt]
+        limit = self._admission_limit(nxt)
         return found if limit is None else found[:limit]
 
     def _next_admitted(self) -> list:
         """The waiting requests vLLM would admit next, in order, as many as max_num_seqs lets run."""
         return list(itertools.islice(self.waiting, max(self.vt_max_seqs - len(self.running), 0)))
 
-    def _admission_limit(self) -> int | None:
+    def _admission_limit(self, nxt: list | None = None) -> int | None:
         """pressure_floor: how many of the next waiting requests may be admitted so that every request fits in the
         pool at its floor (Compactor.admissible); None without a floor. vLLM's Scheduler.schedule admits a waiting
-        request whenever the pool holds its first chunk; this caps how many it may admit in this step."""
+        request whenever the pool holds its first chunk; this caps how many it may admit in this step. ``nxt``:
+        ``_next_admitted()``, when the caller has it already."""
         if self.vt_core.floor <= 0:
             return None
         waiting = []
-        for r in self._next_admitted():
+        for r in self._next_admitted() if nxt is None else nxt:
             policy, opts = self._policy_for(r)
             n = r.num_tokens
             keep = kept_tokens(n, policy.budget, policy.sink, policy.recent) if policy is not None else n
