@@ -47,6 +47,7 @@ def options_from_proto(o: pb.VTokenOptions) -> dict[str, Any]:
             "prefill_evict",
             "prefill_window",
             "evict",
+            "pressure_floor",
         )  # fmt: skip
         if o.HasField(f)
     }

@@ -110,11 +110,14 @@ class KVSim:
         policy=None,
         prefill_evict: bool = True,
         pressure: bool = False,
+        floor: float | None = None,
     ) -> None:
-        """A request whose first ``num_protected`` blocks (full) are shared with another request."""
+        """A request whose first ``num_protected`` blocks (full) are shared with another request. ``floor``: its
+        own pressure_floor (None: the simulator's)."""
         r = self.reqs[rid] = SimRequest()
         policy = policy or make_policy("random", budget=NEVER, sink=0, recent=0)
-        self.core.admit(rid, rid, policy, prefill_len=prompt, prefill_evict=prefill_evict, pressure=pressure)
+        self.core.admit(rid, rid, policy, prefill_len=prompt, prefill_evict=prefill_evict, pressure=pressure,
+                        floor=floor)  # fmt: skip
         if num_protected:
             r.computed = num_protected * self.bs  # a prefix-cache hit: those tokens' KV exists already
             r.blocks += self.pool.get_new_blocks(num_protected)

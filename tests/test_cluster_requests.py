@@ -61,12 +61,13 @@ def test_good_request_validates():
 def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent():
     from cluster.grpc_requests import options_from_proto
 
-    o = pb.VTokenOptions(policy="scissorhands", budget=0.25, prefill_evict=False)
+    o = pb.VTokenOptions(policy="scissorhands", budget=0.25, prefill_evict=False, pressure_floor=0.5)
     o.policy_params.update({"history": 16})
     assert options_from_proto(o) == {
         "policy": "scissorhands",
         "budget": 0.25,
         "prefill_evict": False,
+        "pressure_floor": 0.5,
         "policy_params": {"history": 16},
     }
     assert type(options_from_proto(o)["policy_params"]["history"]) is int
@@ -83,6 +84,7 @@ def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent
         ({"mode": "vtoken"}, {"policy": "random", "policy_params": {"history": 3}}, "no parameter"),
         ({"mode": "off"}, {"policy": "random"}, "eviction off"),
         ({"mode": "vtoken"}, ["h2o"], "expected an object"),
+        ({"mode": "vtoken"}, {"pressure_floor": 1.5}, "vtoken.pressure_floor:"),
     ],
 )
 def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, options, needle):
@@ -101,6 +103,8 @@ def test_accepted_eviction_options_become_request_args_and_bound_the_block_estim
     assert ev.extra_args == request_args(policy="scissorhands", budget=0.125)
     assert ev.config.policy == "scissorhands" and ev.config.budget == 0.125
     assert vtoken_options(None, {"mode": "vtoken"}).extra_args is None
+    ev = vtoken_options({"pressure_floor": 0.5}, {"mode": "vtoken"})  # a request that would rather wait than shed
+    assert ev.extra_args == request_args(pressure_floor=0.5) and ev.config.pressure_floor == 0.5
     r = validate(
         parse(req(prompt="hi", vtoken=pb.VTokenOptions(policy="random", budget=0.5))),
         Tokenizer(None),

@@ -8,6 +8,7 @@ cached for the session (tests/test_vllm_engine.py ``engine``)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -94,3 +95,22 @@ def test_a_floor_holds_back_who_does_not_fit_sheds_less_and_stays_exact():
     assert floored.metrics["vllm:num_preemptions"] == 0
     assert floored.tokens != plain.tokens or died["floor"] == 0
     check_exact(floored)
+
+
+def test_a_request_s_own_floor_is_the_engine_s_floor_for_it():
+    """``request_args(pressure_floor=0.9)`` on an engine without a floor: every request asking gives the engine
+    with ``pressure_floor: 0.9`` to the token and to the shed; when half of them ask, those shed fewer tokens than
+    the others, nobody is preempted, and the outputs equal the masked reference."""
+    ask = json.dumps({"pressure_floor": 0.9})
+    cfg = {**CFG, "evict": "pressure", "park_tokens": 4096}
+    own = engine(cfg, options=(ask,) * SHORT["n"], **SHORT)
+    floored = engine({**cfg, "pressure_floor": 0.9}, **SHORT)
+    assert own.tokens == floored.tokens
+    assert own.stats["peak_running"] == floored.stats["peak_running"]
+    assert [t["evicted_positions"] for t in own.trace] == [t["evicted_positions"] for t in floored.trace]
+    half = engine(cfg, options=(ask, None) * (SHORT["n"] // 2), **SHORT)
+    died = [len(t["evicted_positions"]) for t in half.trace]
+    asked, others = sum(died[0::2]), sum(died[1::2])
+    assert others > 0 and asked < others, (asked, others)
+    assert half.metrics["vllm:num_preemptions"] == 0
+    check_exact(half)

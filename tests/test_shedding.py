@@ -158,15 +158,50 @@ def test_on_the_compactor_a_floor_keeps_running_requests_above_it_and_holds_back
             # At the floor each running request holds 30 of its 60 tokens and the one it writes: 8 blocks, 24 for
             # the three; a waiting request of 40 tokens reserves 20 and 1: 6 blocks; one chunk of 8 tokens (2
             # blocks) is set aside for all. 24 + 6 * 6 <= 64 - 2 < 24 + 7 * 6.
-            assert sim.core.admissible([(40, 10, True)] * 9, 0, 8) == 6  # (tables know the prompts once a step began)
-            assert sim.core.admissible([(40, 10, True)] * 9, 6, 8) == 5, "the watermark is set aside too"
-            assert sim.core.admissible([(40, 10, False)] * 9, 0, 8) == 9, "in always mode: its budget, 3 blocks"
-            assert sim.core.admissible([(40, 10, False)] * 20, 0, 8) == 12
+            assert sim.core.admissible([(40, 10, 0.5)] * 9, 0, 8) == 6  # (tables know the prompts once a step began)
+            assert sim.core.admissible([(40, 10, 0.5)] * 9, 6, 8) == 5, "the watermark is set aside too"
+            assert sim.core.admissible([(40, 10, 0.0)] * 9, 0, 8) == 9, "in always mode: its budget, 3 blocks"
+            assert sim.core.admissible([(40, 10, 0.0)] * 20, 0, 8) == 12
         else:
-            assert sim.core.admissible([(40, 10, True)] * 9, 0, 8) is None, "no floor: vLLM admits as it would"
+            assert sim.core.admissible([(40, 10, 0.0)] * 9, 0, 8) is None, "no floor: vLLM admits as it would"
         sim.step({rid: 1 for rid in sim.reqs}, waiting=[12 * BS] * 3)  # short by 48 + 36 - 64 = 20 blocks
         assert sim.core.totals.tokens_evicted > 0
         assert all(st_.table.num_live >= st_.keep(st_.table.num_logical) for st_ in sim.core.states.values())
         below[floor] = sum(st_.table.num_live < -(-st_.table.num_logical // 2) for st_ in sim.core.states.values())
         sim.check()
     assert below == {0.5: 0, 0.0: 1}, below  # what lies above the floors covers the 20 blocks
+
+
+def test_a_request_s_own_floor_is_kept_by_admission_and_sheds_whatever_the_others_ask():
+    """``pressure_floor`` per request (``request_args(pressure_floor=...)``): on an engine without a floor, a
+    request that asks for one is reserved at it by every admission while it runs and sheds below it last; the
+    others shed down to their budgets first. Negative control: the same shortfall with no request asking."""
+    below, shed = {}, {}
+    for asks in (0.5, None):
+        sim = KVSim(num_blocks=64, block_size=BS)  # the engine's floor: 0
+        policy = make_policy("random", budget=0.25, sink=1, recent=2)
+        sim.add("keeper", prompt=60, policy=policy, pressure=True, floor=asks)
+        for i in range(2):
+            sim.add(f"r{i}", prompt=60, policy=policy, pressure=True)
+        sim.step({rid: 60 for rid in sim.reqs})  # 45 of 64 blocks
+        sim.step({rid: 1 for rid in sim.reqs}, waiting=[8 * BS])  # nothing short yet
+        if asks:
+            # The keeper reserves 30 + 1 tokens (8 blocks), the others their budgets, 15 + 1 (4 blocks each): 16;
+            # one chunk of 8 tokens (2 blocks) is set aside. A waiting request with its own floor of 0.5 reserves
+            # 6 blocks (20 + 1 tokens), one without 3 (10 + 1): first come, first served.
+            assert sim.core.admissible([(40, 10, 0.5)] * 9, 0, 8) == 7  # 16 + 7 * 6 <= 62 < 16 + 8 * 6
+            assert sim.core.admissible([(40, 10, 0.0)] * 20, 0, 8) == 15  # 16 + 15 * 3 <= 62
+            assert sim.core.admissible([(40, 10, 0.0), (40, 10, 0.5)] * 7, 0, 8) == 10  # 16 + 5 * (3 + 6) <= 62 < 64
+        else:
+            assert sim.core.admissible([(40, 10, 0.0)] * 9, 0, 8) is None, "no floor anywhere: vLLM admits as it would"
+            assert sim.core.admissible([(40, 10, 0.5)] + [(40, 10, 0.0)] * 8, 0, 8) is not None, "one waiting asks"
+        sim.step({rid: 1 for rid in sim.reqs}, waiting=[12 * BS] * 3)  # short by 48 + 36 - 64 = 20 blocks
+        st_ = sim.core.states["keeper"]
+        below[asks] = st_.table.num_live < -(-st_.table.num_logical // 2)
+        shed[asks] = sim.core.totals.tokens_evicted
+        assert all(s.table.num_live >= s.keep(s.table.num_logical) for s in sim.core.states.values())
+        sim.check()
+    assert shed[0.5] > 0 and shed[None] > 0, shed
+    # Without its floor the keeper sheds first (ties go to the request id) down to its budget; with it, the others'
+    # tokens above their budgets cover what its own 30 above the floor do not.
+    assert below == {0.5: False, None: True}, below

@@ -126,7 +126,7 @@ class Compactor:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
         self.tier = tier
-        self.floor = float(floor)  # pressure_floor: sheds for room go below it last (vtoken/shedding.py)
+        self.floor = float(floor)  # pressure_floor of requests added without their own (vtoken/shedding.py)
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
@@ -144,7 +144,9 @@ class Compactor:
         prefill_evict: bool = True,
         window: int = 32,
         pressure: bool = False,
+        floor: float | None = None,
     ) -> RequestState:
+        """``floor``: the request's own ``pressure_floor`` (None: the engine's); only pressure mode has one."""
         if request_id in self.states:
             raise CompactorError(f"request {request_id} added twice")
         schedule = Schedule.of(policy, prefill_evict, window, eager=pressure, block_size=self.bs)
@@ -152,6 +154,7 @@ class Compactor:
         st = RequestState(
             request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule, phase
         )
+        st.floor = float(self.floor if floor is None else floor) if pressure else 0.0
         self.states[request_id] = st
         return st
 
@@ -167,10 +170,12 @@ class Compactor:
         prefix_cached: int = 0,
         outputs_at_start: int = 0,
         logprobs: bool = False,
+        floor: float | None = None,
     ) -> RequestState:
         """A request's first forward (new, or resumed after a preemption: it recomputes ``prefill_len`` tokens,
         prompt and outputs so far, before it samples again). ``caller_id``: the id its trace and records carry.
-        ``logprobs``: the request asked for log-probabilities (the trace keeps the sampled tokens')."""
+        ``logprobs``: the request asked for log-probabilities (the trace keeps the sampled tokens'). ``floor``: its
+        own ``pressure_floor`` (None: the engine's)."""
         record = RequestRecord(
             caller_id,
             request_seed(caller_id),
@@ -183,7 +188,7 @@ class Compactor:
         record.earlier = earlier
         if logprobs:
             record.logprobs = so_far if so_far is not None else []
-        return self.add(request_id, record, policy, prefill_len, prefill_evict, window, pressure)
+        return self.add(request_id, record, policy, prefill_len, prefill_evict, window, pressure, floor)
 
     def remove(
         self, request_id: str, finished: bool, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
@@ -272,6 +277,10 @@ class Compactor:
         no longer hold the logical tokens their hash would name."""
         st = self.states.get(request_id)
         return st is None or not st.dirty
+
+    def floored(self) -> bool:
+        """Some request holds a pressure_floor (its own or the engine's): admission keeps it (``admissible``)."""
+        return any(st.floor > 0 for st in self.states.values())
 
     def pressure_active(self) -> bool:
         """Some request keeps every token until the pool runs short (pressure mode, before its first shed)."""
@@ -378,21 +387,21 @@ class Compactor:
         return StepPlan(MoveBatch.concat(moves), keep, gaps, MoveBatch.concat(self._park),
                         MoveBatch.concat(self._restore))  # fmt: skip
 
-    def admissible(self, waiting: Sequence[tuple[int, int, bool]], watermark: int, chunk: int) -> int | None:
+    def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
         """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
-        admitted so that every request fits in the pool at its floor (vtoken/shedding.py admissible); None without
-        a floor (the engine admits as it would). ``waiting``: each one's (tokens, tokens its budget keeps of them,
-        in pressure mode). A request in always mode reserves its budget, one in pressure mode its floor, each with
-        the token it writes next; one prefill chunk is set aside for all (a request reading its prompt holds its
-        next chunk on top of its floor; more than one such chunk at once sheds towards the budgets instead)."""
-        if self.floor <= 0:
+        admitted so that every request fits in the pool at its floor (vtoken/shedding.py admissible); None when no
+        request, running or waiting, has a floor (the engine admits as it would). ``waiting``: each one's (tokens,
+        tokens its budget keeps of them, its floor: 0 in always mode). A request in always mode reserves its budget,
+        one in pressure mode its floor, each with the token it writes next; one prefill chunk is set aside for all
+        (a request reading its prompt holds its next chunk on top of its floor; more than one such chunk at once
+        sheds towards the budgets instead)."""
+        if not (any(f > 0 for _, _, f in waiting) or self.floored()):
             return None
         reserved = 0
         for st in self.states.values():
             length = max(st.prefill_len, st.table.num_logical)
-            floor = self.floor if st.schedule.eager else 0.0  # eager: in pressure mode
-            reserved += reserved_blocks(length, st.keep(length), floor, 1, self.bs)
-        need = [reserved_blocks(n, keep, self.floor if pressure else 0.0, 1, self.bs) for n, keep, pressure in waiting]
+            reserved += reserved_blocks(length, st.keep(length), st.floor, 1, self.bs)
+        need = [reserved_blocks(n, keep, floor, 1, self.bs) for n, keep, floor in waiting]
         return admissible(reserved, need, self.pool.num_gpu_blocks - 1 - watermark - -(-chunk // self.bs))
 
     def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
@@ -439,10 +448,10 @@ class Compactor:
             writing = st.table.physical_len + p.next_tokens
             holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
             n = st.table.num_logical
-            above = st.table.num_live - floor_tokens(n, st.keep(n), self.floor)
+            above = st.table.num_live - floor_tokens(n, st.keep(n), st.floor)
             found.append((Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)))
         holders = [f[0] for f in found]
-        if self.floor > 0:
+        if any(f[2].floor > 0 for f in found):
             counts = plan_sheds_above(holders, [f[4] for f in found], shortfall, self.bs)
         else:
             counts = plan_sheds(holders, shortfall, self.bs)

@@ -19,7 +19,7 @@ CONFIG_KEY = "vtoken"
 REQUEST_KEYS = frozenset(
     {
         "policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window",
-        "evict",
+        "evict", "pressure_floor",
     }
 )  # fmt: skip
 
@@ -93,7 +93,8 @@ class VTokenConfig(BaseModel):
         "a request that waits. A waiting request is admitted only while every running request and it fit in the pool "
         "at this share of their tokens (vtoken/shedding.py admissible); otherwise it waits, and answers are not "
         "traded for concurrency below it. The running requests' own growth may still take them down to their "
-        "budgets (never a preemption). 0 (the default): the budget is the only floor, the most requests run at once",
+        "budgets (never a preemption). 0 (the default): the budget is the only floor, the most requests run at once. "
+        "Per request too: a request's own floor is kept by every admission while it runs, whatever the others ask",
     )
     park_tokens: int | Literal["auto"] = Field(
         "auto",

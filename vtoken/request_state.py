@@ -39,6 +39,7 @@ class RequestState:
     parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
     gap_sent: int = 0
     dirty: bool = False
+    floor: float = 0.0  # pressure_floor: the share of its tokens admission keeps for it (0: always mode, or none)
     compacted_at: int = -1  # the step of its last compaction: at most one per step (the moves of a step are
     # applied as one simultaneous gather-then-scatter, so a second plan against moved slots would be wrong)
 

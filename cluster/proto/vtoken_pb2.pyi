@@ -75,7 +75,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VTokenOptions(_message.Message):
-    __slots__ = ("policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window", "evict")
+    __slots__ = ("policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window", "evict", "pressure_floor")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class VTokenOptions(_message.Message):
     PREFILL_EVICT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WINDOW_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FLOOR_FIELD_NUMBER: _ClassVar[int]
     policy: str
     budget: float
     interval: int
@@ -96,7 +97,8 @@ class VTokenOptions(_message.Message):
     prefill_evict: bool
     prefill_window: int
     evict: str
-    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., interval: _Optional[int] = ..., sink: _Optional[int] = ..., recent: _Optional[int] = ..., seed: _Optional[int] = ..., policy_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., prefill_evict: _Optional[bool] = ..., prefill_window: _Optional[int] = ..., evict: _Optional[str] = ...) -> None: ...
+    pressure_floor: float
+    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., interval: _Optional[int] = ..., sink: _Optional[int] = ..., recent: _Optional[int] = ..., seed: _Optional[int] = ..., policy_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., prefill_evict: _Optional[bool] = ..., prefill_window: _Optional[int] = ..., evict: _Optional[str] = ..., pressure_floor: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "sampling", "deadline_ms", "vtoken")

@@ -112,13 +112,16 @@ class VTokenScheduler(Scheduler):
         what vLLM scheduled."""
         t0 = time.perf_counter()
         core = self.vt_core
-        plan = self._vt_before_schedule(core.plan_step(self._progress(), self._waiting(), self.vt_watermark))
+        waiting, limit = self._waiting()
+        plan = self._vt_before_schedule(core.plan_step(self._progress(), waiting, self.vt_watermark))
         cached = self.vt_manager.num_cached_block  # blocks of each request already hashed into the prefix cache
         for rid, keep in plan.keep_blocks.items():
             if rid in cached:
                 cached[rid] = min(cached[rid], keep)
         t1 = time.perf_counter()
-        limit, active = self._admission_limit(), self.max_num_active_reqs
+        if limit is not None:  # again, on the tables plan_step brought up to date
+            limit = self._admission_limit(self._next_admitted())
+        active = self.max_num_active_reqs
         if limit is not None:  # pressure_floor: the rest wait (vLLM's own cap on admission, for this call only)
             self.max_num_active_reqs = min(active, len(self.running) + self.num_waiting_for_streaming_input + limit)
         try:
@@ -147,7 +150,7 @@ class VTokenScheduler(Scheduler):
                 if ask.window:
                     step.window[rid] = ask.window
         if core.pressure_active():  # scores on demand for a shed the next steps may need (Compactor.foresee)
-            more, score = core.foresee(out.num_scheduled_tokens, self._waiting(), self.vt_watermark, self.vt_chunk,
+            more, score = core.foresee(out.num_scheduled_tokens, self._waiting()[0], self.vt_watermark, self.vt_chunk,
                                        self.vt.decode_window)  # fmt: skip
             record += more  # keepers: scheduled() asked nothing of them (it records and scores decoding requests)
             step.window.update(score)
@@ -175,36 +178,41 @@ class VTokenScheduler(Scheduler):
         """Hook between the compaction plan and vLLM's scheduling (the testing scheduler relocates here)."""
         return plan
 
-    def _waiting(self) -> list[int]:
+    def _waiting(self) -> tuple[list[int], int | None]:
         """Pressure mode: the tokens the first forward of each waiting request reads, as many as max_num_seqs lets
-        run. Mirrors what vllm/v1/core/sched/scheduler.py Scheduler.schedule asks of the pool: running requests
-        first, then waiting ones. Empty when no request is in pressure mode (the compactor's rule then sheds
-        nothing)."""
-        if not self.vt_core.pressure_active():
-            return []
+        run and pressure_floor admits (empty when no request is in pressure mode: the compactor's rule then sheds
+        nothing), and how many of the next waiting requests pressure_floor admits (None: as vLLM would). Mirrors
+        what vllm/v1/core/sched/scheduler.py Scheduler.schedule asks of the pool: running requests first, then
+        waiting ones."""
+        pressure = self.vt_core.pressure_active()
+        if not (pressure or self.waiting):
+            return [], None
         nxt = self._next_admitted()
-        found = [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in nxt]
         limit = self._admission_limit(nxt)
-        return found if limit is None else found[:limit]
+        if not pressure:
+            return [], limit
+        found = [min(r.num_tokens - r.num_computed_tokens, self.vt_chunk) for r in nxt]
+        return (found if limit is None else found[:limit]), limit
 
     def _next_admitted(self) -> list:
         """The waiting requests vLLM would admit next, in order, as many as max_num_seqs lets run."""
         return list(itertools.islice(self.waiting, max(self.vt_max_seqs - len(self.running), 0)))
 
-    def _admission_limit(self, nxt: list | None = None) -> int | None:
-        """pressure_floor: how many of the next waiting requests may be admitted so that every request fits in the
-        pool at its floor (Compactor.admissible); None without a floor. vLLM's Scheduler.schedule admits a waiting
-        request whenever the pool holds its first chunk; this caps how many it may admit in this step. ``nxt``:
-        ``_next_admitted()``, when the caller has it already."""
-        if self.vt_core.floor <= 0:
+    def _admission_limit(self, nxt: list) -> int | None:
+        """pressure_floor: how many of ``nxt`` (``_next_admitted()``) may be admitted so that every request fits in
+        the pool at its floor, the engine's or its own (Compactor.admissible); None when no request has a floor.
+        vLLM's Scheduler.schedule admits a waiting request whenever the pool holds its first chunk; this caps how
+        many it may admit in this step."""
+        core = self.vt_core
+        if not nxt or (core.floor <= 0 and not core.floored() and not any(map(_asks_floor, nxt))):
             return None
         waiting = []
-        for r in self._next_admitted() if nxt is None else nxt:
+        for r in nxt:
             policy, opts = self._policy_for(r)
             n = r.num_tokens
             keep = kept_tokens(n, policy.budget, policy.sink, policy.recent) if policy is not None else n
-            waiting.append((n, keep, opts.evict == "pressure"))
-        return self.vt_core.admissible(waiting, self.vt_watermark, self.vt_chunk) if waiting else None
+            waiting.append((n, keep, opts.pressure_floor if opts.evict == "pressure" else 0.0))
+        return core.admissible(waiting, self.vt_watermark, self.vt_chunk)
 
     def _progress(self) -> list[Progress]:
         core, chunk = self.vt_core, self.vt_chunk
@@ -226,6 +234,7 @@ class VTokenScheduler(Scheduler):
             prefix_cached=request.num_computed_tokens - new_tokens,
             outputs_at_start=request.num_output_tokens,
             logprobs=getattr(request.sampling_params, "logprobs", None) is not None,
+            floor=opts.pressure_floor,
         )
 
     def _policy_for(self, request):
@@ -314,6 +323,13 @@ class VTokenScheduler(Scheduler):
         """Testing and debugging: the compactor's invariants against vLLM's block lists (raises on a breach)."""
         self.vt_core.check_integrity()
         return True
+
+
+def _asks_floor(request) -> bool:
+    """The request sets its own pressure_floor (``SamplingParams.extra_args["vtoken"]``)."""
+    extra = getattr(request.sampling_params, "extra_args", None)
+    opts = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    return isinstance(opts, dict) and "pressure_floor" in opts
 
 
 def tokens_to_go(requests) -> int:
