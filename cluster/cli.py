@@ -36,6 +36,12 @@ def add_cli(sub) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--deadline", type=float, help="seconds")
+    g.add_argument(
+        "--vtoken",
+        metavar="JSON",
+        help="this request's own eviction options (gRPC VTokenOptions), e.g. '{\"pressure_floor\": 0.5}' or "
+        '\'{"policy": "h2o", "budget": 0.25}\'',
+    )
     g.add_argument("--json", action="store_true", help="one JSON object with the text and token ids")
     _client_args(g)
     g.set_defaults(func=_generate)
@@ -90,12 +96,12 @@ def _rpc_error(e) -> int:
     return 1
 
 
-def _generate(args) -> int:
-    import grpc
+def generate_request(args):
+    """``vtoken generate``'s arguments as a ``GenerateRequest``; ValueError names what is wrong."""
+    from google.protobuf import json_format
 
     from cluster.proto import vtoken_pb2 as pb
 
-    stub, md = _stub(args)
     req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     if args.chat:
         pairs = [m.split(":", 1) if ":" in m else ["user", m] for m in args.chat]
@@ -103,8 +109,24 @@ def _generate(args) -> int:
     elif args.prompt is not None:
         req.prompt = args.prompt
     else:
-        print("vtoken generate: give a prompt or --chat", file=sys.stderr)
+        raise ValueError("give a prompt or --chat")
+    if args.vtoken:
+        try:
+            json_format.Parse(args.vtoken, req.vtoken)
+        except json_format.ParseError as e:
+            raise ValueError(f"--vtoken: {e}") from None
+    return req
+
+
+def _generate(args) -> int:
+    import grpc
+
+    try:
+        req = generate_request(args)
+    except ValueError as e:
+        print(f"vtoken generate: {e}", file=sys.stderr)
         return 2
+    stub, md = _stub(args)
     text, ids, last = [], [], None
     try:
         for msg in stub.Generate(req, metadata=md, timeout=args.deadline):

@@ -222,3 +222,24 @@ def test_serve_is_quiet_and_speaks_openai_and_grpc(tmp_path):
     assert "OpenAI API http://127.0.0.1:" in out and "free blocks after drain" in out
     log = next(x for x in out.splitlines() if "library logs go to" in x).split(" go to ")[1].split(",")[0]
     assert os.path.exists(log) and log.startswith(str(tmp_path / "data")), log
+
+
+def test_generate_carries_a_request_s_own_eviction_options_and_names_a_wrong_one():
+    """`vtoken generate --vtoken JSON`: the request's own options (gRPC VTokenOptions, the gateway checks them as
+    for HTTP's "vtoken" field); a field that is not one, or broken JSON, is one line and exit 2 before connecting."""
+    import argparse
+
+    from cluster import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_cli(p.add_subparsers())
+    req = cli.generate_request(p.parse_args(["generate", "hi", "--vtoken", '{"pressure_floor": 0.5, "budget": 0.25}']))
+    assert req.prompt == "hi" and req.vtoken.pressure_floor == 0.5 and req.vtoken.budget == 0.25
+    assert not cli.generate_request(p.parse_args(["generate", "hi"])).HasField("vtoken")
+    for bad, needle in (('{"floor": 0.5}', 'no field named "floor"'), ('{"budget": ', "Failed to load JSON")):
+        with pytest.raises(ValueError, match=needle):
+            cli.generate_request(p.parse_args(["generate", "hi", "--vtoken", bad]))
+    r = subprocess.run([sys.executable, "-m", "vtoken.cli", "generate", "hi", "--vtoken", "{"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith("vtoken generate: --vtoken:"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
