@@ -355,9 +355,13 @@ def vtoken_options(options: Any, served: dict[str, Any]) -> Eviction:
         raise BadRequest(
             "; ".join(f"{w}: {err['msg'].removeprefix('Value error, ')}" for w, err in zip(where, errs)), where[0]
         ) from None
-    except (ValueError, TypeError, OverflowError) as e:  # the policy's own checks, its parameters
-        field = "vtoken.policy" if "policy" in str(e) else "vtoken"
-        raise BadRequest(f"{field}: {str(e).splitlines()[0]}", field) from None
+    except (ValueError, TypeError, OverflowError) as e:  # the policy's own checks, its parameters; option pairs
+        line = str(e).splitlines()[0]
+        key, _, rest = line.partition(": ")
+        if key in REQUEST_KEYS and rest:  # "pressure_floor: ...": the option named first
+            raise BadRequest(f"vtoken.{key}: {rest}", f"vtoken.{key}") from None
+        field = "vtoken.policy" if "policy" in line else "vtoken"
+        raise BadRequest(f"{field}: {line}", field) from None
     return Eviction(extra, effective)
 
 

@@ -131,7 +131,7 @@ class KVSim:
         self.pool.free_blocks(reversed(self.reqs.pop(rid).blocks))
         return line
 
-    def preempt(self, rid: str, policy=None, pressure: bool = False) -> None:
+    def preempt(self, rid: str, policy=None, pressure: bool = False, floor: float | None = None) -> None:
         """vLLM's recompute preemption: the blocks go back, and the request is admitted again to recompute every
         token it had (prompt and outputs) before it samples again, as a new run."""
         self.core.remove(rid, finished=False)
@@ -140,7 +140,8 @@ class KVSim:
         r.blocks, r.kv, prefill = [], [], r.computed
         r.computed = 0
         policy = policy or make_policy("random", budget=NEVER, sink=0, recent=0)
-        self.core.admit(rid, rid, policy, prefill_len=prefill, outputs_at_start=r.outputs, pressure=pressure)
+        self.core.admit(rid, rid, policy, prefill_len=prefill, outputs_at_start=r.outputs, pressure=pressure,
+                        floor=floor)  # fmt: skip
 
     # ---------------------------------------------------------------- one engine step
     def step(

@@ -85,6 +85,7 @@ def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent
         ({"mode": "off"}, {"policy": "random"}, "eviction off"),
         ({"mode": "vtoken"}, ["h2o"], "expected an object"),
         ({"mode": "vtoken"}, {"pressure_floor": 1.5}, "vtoken.pressure_floor:"),
+        ({"mode": "vtoken"}, {"evict": "always", "pressure_floor": 0.5}, "vtoken.pressure_floor: a floor is kept in"),
     ],
 )
 def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, options, needle):
@@ -105,6 +106,9 @@ def test_accepted_eviction_options_become_request_args_and_bound_the_block_estim
     assert vtoken_options(None, {"mode": "vtoken"}).extra_args is None
     ev = vtoken_options({"pressure_floor": 0.5}, {"mode": "vtoken"})  # a request that would rather wait than shed
     assert ev.extra_args == request_args(pressure_floor=0.5) and ev.config.pressure_floor == 0.5
+    served = {"mode": "vtoken", "evict": "always", "pressure_floor": 0.5}  # the engine's own pair is its business
+    assert vtoken_options({"budget": 0.25}, served).config.pressure_floor == 0.5
+    assert vtoken_options({"pressure_floor": 0}, {"mode": "vtoken", "pressure_floor": 0.5}).config.pressure_floor == 0
     r = validate(
         parse(req(prompt="hi", vtoken=pb.VTokenOptions(policy="random", budget=0.5))),
         Tokenizer(None),

@@ -198,10 +198,32 @@ def test_a_request_s_own_floor_is_kept_by_admission_and_sheds_whatever_the_other
         sim.step({rid: 1 for rid in sim.reqs}, waiting=[12 * BS] * 3)  # short by 48 + 36 - 64 = 20 blocks
         st_ = sim.core.states["keeper"]
         below[asks] = st_.table.num_live < -(-st_.table.num_logical // 2)
+        assert sim.core.floored() == bool(asks)
         shed[asks] = sim.core.totals.tokens_evicted
         assert all(s.table.num_live >= s.keep(s.table.num_logical) for s in sim.core.states.values())
+        sim.check()
+        sim.preempt("keeper", policy=policy, pressure=True, floor=asks)  # resumed with its own floor again
+        assert sim.core.states["keeper"].floor == (asks or 0.0) and sim.core.floored() == bool(asks)
+        sim.finish("keeper")
+        assert not sim.core.floored()
         sim.check()
     assert shed[0.5] > 0 and shed[None] > 0, shed
     # Without its floor the keeper sheds first (ties go to the request id) down to its budget; with it, the others'
     # tokens above their budgets cover what its own 30 above the floor do not.
     assert below == {0.5: False, None: True}, below
+
+
+def test_an_engine_floor_admits_always_mode_requests_at_their_budgets():
+    """An engine with a pressure_floor caps admission even when every request keeps to its budget (``evict:
+    "always"``): each reserves its budget (found in review: the per-request floor had made this cap vanish when no
+    request in pressure mode held a floor). Negative control: without an engine floor vLLM admits as it would."""
+    for floor in (0.5, 0.0):
+        sim = KVSim(num_blocks=64, block_size=BS, floor=floor)
+        policy = make_policy("random", budget=0.25, sink=1, recent=2)
+        for i in range(3):
+            sim.add(f"r{i}", prompt=60, policy=policy)  # always mode
+        sim.step({rid: 60 for rid in sim.reqs})
+        # Each running request reserves its budget, 15 of 60 tokens and 1 written: 4 blocks, 12 for the three; a
+        # waiting one of 40 tokens 3 (10 + 1); one chunk of 8 tokens (2 blocks) aside: 12 + 16 * 3 <= 62 < 12 + 51.
+        got = sim.core.admissible([(40, 10, 0.0)] * 30, 0, 8)
+        assert got == (16 if floor else None), (floor, got)

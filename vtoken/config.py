@@ -196,6 +196,11 @@ class VTokenConfig(BaseModel):
                 f"a request may set {sorted(REQUEST_KEYS)}"
             )
         cfg = VTokenConfig(**{**self.model_dump(), **overrides})  # validated (model_copy would not)
+        if overrides.get("pressure_floor") and cfg.evict != "pressure":
+            raise ValueError(
+                "pressure_floor: a floor is kept in pressure mode only; this request evicts always (it keeps to its "
+                'budget): ask "evict": "pressure" with it, or leave it out'
+            )
         needs = set(cfg.make_policy().needs)
         if needs and not (self.collect_scores or self.make_policy().needs):
             raise ValueError(
