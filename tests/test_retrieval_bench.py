@@ -24,7 +24,7 @@ def test_saturated_tier_only_for_park_and_pressure(monkeypatch):
         def __exit__(self, *exc):
             pass
 
-    def fake_serve(e, cases, configs, args):
+    def fake_serve(e, cases, configs, args, floors=None):
         e.served += [retrieval.label(*c) for c in configs]
         rec = {"mean_retained_blocks": 1, "peak_retained_blocks": 1, "mean_naive_retained_blocks": 1,
                "peak_naive_retained_blocks": 1, "peak_over_bound": 0}  # fmt: skip
@@ -44,3 +44,43 @@ def test_saturated_tier_only_for_park_and_pressure(monkeypatch):
     tiers = {name: e.cfg.get("park_tokens", "auto") != 0 for e in engines for name in e.served}  # auto: a tier
     assert tiers == {"snapkv@0.25:always": False, "snapkv@0.25:pressure": True, "h2o@0.25:park": True}
     assert {e.cfg["pressure_floor"] for e in engines} == {0.5}, "--pressure-floor reaches every engine"
+
+
+def test_request_floor_asks_every_other_prompt_in_pressure_runs_and_scores_each_half(monkeypatch):
+    """``--request-floor F``: in a saturated pressure run the even prompts carry ``pressure_floor: F`` in their own
+    options (the rest none: the engine's), an ``always`` run carries none, and each half is scored on its own beside
+    the whole run."""
+    sent = []
+
+    class FakeEngine:
+        def __init__(self, folder, mode, cfg, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def batch(self, prompts, max_tokens, opts):
+            sent.append(opts)
+            rec = {"mean_retained_blocks": 1, "peak_retained_blocks": 1, "mean_naive_retained_blocks": 1,
+                   "peak_naive_retained_blocks": 1, "peak_over_bound": 0}  # fmt: skip
+            served = [SimpleNamespace(last_token_ts=1.0, scheduled_ts=0.0, output_tokens=[], record=rec,
+                                      preemptions=0) for _ in prompts]  # fmt: skip
+            return SimpleNamespace(served=served)
+
+    answers = iter(["7", "0", "7", "7"] * 2)
+    monkeypatch.setattr(retrieval, "Engine", FakeEngine)
+    monkeypatch.setattr(retrieval, "reply", lambda tok, ids, chat: next(answers))
+    args = SimpleNamespace(saturate="snapkv@0.25:pressure,snapkv@0.25:always", saturate_kv_bytes=1 << 20,
+                           prefill_chunk=64, park_tokens=4096, suite="niah", pressure_floor=0.0, request_floor=0.5,
+                           window=32, max_tokens=8)  # fmt: skip
+    cases = [SimpleNamespace(answer="7", task="single", length=256, prompt="p") for _ in range(4)]
+    out = retrieval._saturated(args, "folder", None, cases, {"kv_bytes": 1 << 30})
+    pressure = [o.get("pressure_floor") for o in sent[1]]  # the tiered engine serves pressure (after always)
+    assert pressure == [0.5, None, 0.5, None]
+    assert all("pressure_floor" not in o for o in sent[0]), "always mode asks no floor"
+    assert [out[k]["hits"] for k in ("snapkv@0.25:pressure", "snapkv@0.25:pressure, asks 0.5",
+                                     "snapkv@0.25:pressure, the rest")] == [3, 2, 1]  # fmt: skip
+    assert "snapkv@0.25:always, asks 0.5" not in out

@@ -59,6 +59,9 @@ def add_args(p) -> None:
     p.add_argument("--pressure-floor", type=float, default=0.0,
                    help="pressure_floor of the engines (pressure mode: a request waits rather than push those running "
                    "below this share of their tokens)")  # fmt: skip
+    p.add_argument("--request-floor", type=float, default=0.0,
+                   help="saturated pressure runs: every other prompt asks this pressure_floor for itself "
+                   "(request_args), the rest keep the engine's; each half is also scored on its own")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (niah 12, multi 16, agree 32)")
     controls = "agree: also the question without its document, and full KV in bf16, scored the same way"
     p.add_argument("--controls", action="store_true", help=controls)
@@ -71,14 +74,18 @@ def label(policy: str, budget: float, mode: str) -> str:
     return f"{policy}@{budget:g}:{mode}"
 
 
-def options(policy: str, budget: float, mode: str, window: int) -> dict:
-    return {
+def options(policy: str, budget: float, mode: str, window: int, floor: float | None = None) -> dict:
+    """One request's own options; ``floor``: its own pressure_floor (pressure mode only; None: the engine's)."""
+    out = {
         "policy": policy,
         "budget": budget,
         "prefill_evict": mode != "decode",
         "prefill_window": window,
         "evict": "pressure" if mode == "pressure" else "always",
     }
+    if floor is not None and mode == "pressure":
+        out["pressure_floor"] = floor
+    return out
 
 
 def _engine_cfg(args, park: bool) -> dict:
@@ -96,10 +103,12 @@ def _by_tier(configs: list[tuple[str, float, str]]):
             yield park, mine
 
 
-def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args) -> dict[str, dict]:
-    """Every configuration's requests in one batch (each request carries its own options)."""
+def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args, floors=None) -> dict[str, dict]:
+    """Every configuration's requests in one batch (each request carries its own options; ``floors[i]``: case i's
+    own pressure_floor, or None)."""
     reqs = [(c, i) for c in configs for i in range(len(cases))]
-    b = e.batch([cases[i].prompt for _, i in reqs], args.max_tokens, [options(*c, args.window) for c, _ in reqs])
+    opts = [options(*c, args.window, floors[i] if floors else None) for c, i in reqs]
+    b = e.batch([cases[i].prompt for _, i in reqs], args.max_tokens, opts)
     first_done = min(s.last_token_ts for s in b.served)
     out: dict[str, dict] = {}
     for (c, i), s in zip(reqs, b.served):
@@ -272,13 +281,24 @@ def _saturated(args, folder, tok, cases, kw, full: list[str] | None = None) -> d
         with Engine(folder, "vtoken", _engine_cfg(args, park), **sat) as e:
             e.tok = tok
             for c in mine:
-                r = _serve(e, cases, [c], args)[label(*c)]
+                ask = getattr(args, "request_floor", 0.0) if c[2] == "pressure" else 0.0
+                floors = [ask if i % 2 == 0 else None for i in range(len(cases))] if ask else None
+                r = _serve(e, cases, [c], args, floors)[label(*c)]
                 out[label(*c)] = _score(cases, r["texts"], r["records"], SUITES[args.suite], full)
                 out[label(*c)]["preemptions"] = r["preempted"]
                 out[label(*c)]["queued"] = r["queued"]
                 out[label(*c)]["most_in_flight"] = r["most_in_flight"]
+                if floors:  # the same run, each half on its own: the prompts that asked a floor, and the rest
+                    for name, half in (
+                        (f"{label(*c)}, asks {ask:g}", slice(0, None, 2)),
+                        (f"{label(*c)}, the rest", slice(1, None, 2)),
+                    ):
+                        out[name] = _score(cases[half], r["texts"][half], r["records"][half], SUITES[args.suite],
+                                           full[half] if full else None)  # fmt: skip
+                        out[name].update(preemptions="-", queued="-", most_in_flight="-")
+                        log(f"[retrieval] saturated {name}: {out[name]['hits']}/{out[name]['n']}")
                 log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
-    return {label(*c): out[label(*c)] for c in configs}
+    return {k: out[k] for c in configs for k in out if k == label(*c) or k.startswith(f"{label(*c)}, ")}
 
 
 def settings(args, cases) -> dict:
@@ -302,6 +322,7 @@ def settings(args, cases) -> dict:
         "window": args.window,
         "park_tokens": args.park_tokens,
         "pressure_floor": args.pressure_floor,
+        "request_floor": getattr(args, "request_floor", 0.0),
         "budgets": [float(b) for b in args.budgets.split(",")],
         "max_tokens": args.max_tokens,
     }
