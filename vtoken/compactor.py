@@ -127,7 +127,6 @@ class Compactor:
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
         self.tier = tier
         self.floor = float(floor)  # pressure_floor of requests added without their own (vtoken/shedding.py)
-        self._floored = 0  # requests holding a floor
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
@@ -156,7 +155,6 @@ class Compactor:
             request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule, phase
         )
         st.floor = float(self.floor if floor is None else floor) if pressure else 0.0
-        self._floored += st.floor > 0
         self.states[request_id] = st
         return st
 
@@ -199,7 +197,6 @@ class Compactor:
         to the pool; the caller frees its own blocks. Returns a finished request's trace line when tracing."""
         st = self.states.pop(request_id, None)
         if st is not None:
-            self._floored -= st.floor > 0
             self._forget(st, finished)
         if self.traces is None:
             return None
@@ -282,8 +279,8 @@ class Compactor:
         return st is None or not st.dirty
 
     def floored(self) -> bool:
-        """Some request holds a pressure_floor (its own or the engine's): admission keeps it (``admissible``)."""
-        return self._floored > 0
+        """The engine or a running request has a pressure_floor: admission keeps the floors (``admissible``)."""
+        return self.floor > 0 or any(st.floor > 0 for st in self.states.values())
 
     def pressure_active(self) -> bool:
         """Some request keeps every token until the pool runs short (pressure mode, before its first shed)."""
@@ -398,7 +395,7 @@ class Compactor:
         always mode reserves its budget, one in pressure mode its floor, each with the token it writes next; one
         prefill chunk is set aside for all (a request reading its prompt holds its next chunk on top of its floor;
         more than one such chunk at once sheds towards the budgets instead)."""
-        if not (self.floor > 0 or self.floored() or any(f > 0 for _, _, f in waiting)):
+        if not (self.floored() or any(f > 0 for _, _, f in waiting)):
             return None
         reserved = 0
         for st in self.states.values():
@@ -728,7 +725,7 @@ class Compactor:
 
     def check_integrity(self, moves: MoveBatch | None = None) -> None:
         """Blocks against TokenTables, ballast disjoint from every block list, parked tokens only where a phase
-        has them, the count of floored requests, a step's moves well formed."""
+        has them, a step's moves well formed."""
         owned: dict[int, str] = {}
         for rid, st in self.states.items():
             st.table.check_integrity()
@@ -747,9 +744,6 @@ class Compactor:
             ballast_ids = {b.block_id for b in st.ballast}
             if ballast_ids & {b.block_id for b in blocks}:
                 raise CompactorError(f"{rid}: a ballast block is also in its block list")
-        floored = sum(st.floor > 0 for st in self.states.values())
-        if floored != self._floored:
-            raise CompactorError(f"{floored} requests hold a pressure_floor, the count says {self._floored}")
         if moves is not None:
             moves.check()
         if self.tier is not None:

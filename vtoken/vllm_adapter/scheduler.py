@@ -204,7 +204,7 @@ class VTokenScheduler(Scheduler):
         vLLM's Scheduler.schedule admits a waiting request whenever the pool holds its first chunk; this caps how
         many it may admit in this step."""
         core = self.vt_core
-        if not nxt or (core.floor <= 0 and not core.floored() and not any(map(_asks_floor, nxt))):
+        if not nxt or not (core.floored() or any(map(_asks_floor, nxt))):
             return None
         waiting = []
         for r in nxt:
