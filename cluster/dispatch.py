@@ -26,7 +26,7 @@ from actors.token_channel import ChannelStream, TokenChannel, Unreachable
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
 from cluster.requests import ValidRequest
-from vtoken.budget import peak_blocks
+from vtoken.core.budget import peak_blocks
 
 log = logging.getLogger("vtoken.gateway")
 # What a call to a replica raises when the replica, its process or its node is gone (not a fault of ours, nor the
@@ -132,7 +132,7 @@ class Dispatcher:
         deadline = loop.time() + req.deadline_s if req.deadline_s is not None else None
         v = req.eviction.config if req.eviction else None
         evicting = v is not None and v.enabled
-        # What the request will hold at most: the compactor's own rule (vtoken/budget.py), for its own options.
+        # What the request will hold at most: the compactor's own rule (vtoken/core/budget.py), for its own options.
         bs = self.cfg.engine.block_size
         bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict, bs if v.interval == "block" else
                    v.interval) if evicting else ()  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vtoken.kv_layout import LAYOUTS, TableLayout, learn, resolve
+from vtoken.kv.kv_layout import LAYOUTS, TableLayout, learn, resolve
 
 
 def vnni_positions(bs: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""A small engine around the REAL compactor (vtoken/compactor.py): a block pool, KV tensors in vLLM's layouts,
+"""A small engine around the REAL compactor (vtoken/core/compactor.py): a block pool, KV tensors in vLLM's layouts,
 and steps in the engine's order.
 
 One ``step``: ``Compactor.plan_step`` (sync, policy evictions), explicit evictions through ``Compactor.evict``
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vtoken.compactor import Compactor, Progress
-from vtoken.kv_layout import LAYOUTS
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import CpuMover
-from vtoken.planner import moves_lower_bound, to_global_slots
-from vtoken.policies import make_policy
+from vtoken.core.compactor import Compactor, Progress
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.planner import moves_lower_bound, to_global_slots
+from vtoken.core.policies import make_policy
+from vtoken.kv.kv_layout import LAYOUTS
+from vtoken.kv.mover import CpuMover
 
 NEVER = 10**9  # a budget no request reaches: the policy evicts nothing unless the test says so
 

@@ -17,14 +17,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vtoken.kv_layout import LAYOUTS, TableLayout
-from vtoken.move_batch import MoveBatch
-from vtoken.mover_factory import make_mover
-from vtoken.packing import kill_and_pack
-from vtoken.planner import to_global_slots
-from vtoken.scores import ATTN_HIST, ATTN_SUM
-from vtoken.scores_reference import NEAR_TIE
-from vtoken.token_table import TokenTable
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.packing import kill_and_pack
+from vtoken.core.planner import to_global_slots
+from vtoken.core.token_table import TokenTable
+from vtoken.kv.kv_layout import LAYOUTS, TableLayout
+from vtoken.kv.mover_factory import make_mover
+from vtoken.kv.scores import ATTN_HIST, ATTN_SUM
+from vtoken.kv.scores_reference import NEAR_TIE
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""The house's walls, held by tests: the decision core imports no torch, first-party modules import each other in no
-circle, and nothing in cluster/ imports the benchmarks. Reads the source only (ast); no engine, no vLLM."""
+"""The house's walls, held by tests, by folder: ``vtoken/core`` (where a token's life is decided) imports neither
+torch nor vLLM nor ``vtoken/kv``; ``vtoken/kv`` (where its bytes move) imports no vLLM; only ``vtoken/vllm_adapter``
+imports vLLM's internals; nothing in ``cluster/`` or ``actors/`` imports the benchmarks; first-party modules import
+each other in no circle. Each wall is shown to fail on a planted violation. Reads the source only (ast), except the
+one check that imports the core and looks for torch in ``sys.modules``."""
 
 from __future__ import annotations
 
@@ -8,27 +11,40 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("vtoken", "actors", "cluster")
-# Where a token's life is decided, and the messages that leave it: plain Python and NumPy.
-DECISION_CORE = (
-    "vtoken.budget",
-    "vtoken.compactor",
-    "vtoken.move_batch",
-    "vtoken.packing",
-    "vtoken.park",
-    "vtoken.phase",
-    "vtoken.planner",
-    "vtoken.policies",
-    "vtoken.records",
-    "vtoken.replay",
-    "vtoken.request_state",
-    "vtoken.schedule",
-    "vtoken.shedding",
-    "vtoken.token_table",
-    "vtoken.accounting",
-    "vtoken.pool_report",
+# vLLM's private machinery: its scheduler, engine core, workers, executors, model code and attention layers.
+# Its public surface (vllm, vllm.inputs, vllm.sampling_params, vllm.exceptions, vllm.v1.engine.exceptions,
+# vllm.entrypoints, vllm.benchmarks, vllm.v1.metrics, ...) may be used anywhere.
+VLLM_INTERNALS = (
+    "vllm.v1.core",
+    "vllm.v1.worker",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor",
+    "vllm.v1.attention",
+    "vllm.model_executor",
+    "vllm.distributed",
+    "vllm.attention",
+    "vllm.v1.kv_cache_interface",
 )
+# (the modules a wall holds, the imports they may not make, why)
+WALLS = (
+    (
+        "vtoken.core",
+        ("torch", "triton", "vllm", "vtoken.kv", "vtoken.vllm_adapter", "vtoken.bench", "actors", "cluster"),
+        "the decisions run with no device and no engine",
+    ),
+    (
+        "vtoken.kv",
+        ("vllm", "vtoken.vllm_adapter", "vtoken.bench", "actors", "cluster"),
+        "the bytes move with no engine; vLLM's knowledge stays in the adapter",
+    ),
+    (("vtoken", "actors", "cluster"), VLLM_INTERNALS, "only vtoken/vllm_adapter knows vLLM's internals"),
+    (("cluster", "actors"), ("vtoken.bench",), "serving never imports the benchmarks"),
+)
+ADAPTER = "vtoken.vllm_adapter"
 
 
 def module_name(path: Path) -> str:
@@ -54,6 +70,36 @@ def import_graph() -> dict[str, set[str]]:
             deps |= {t for t in targets if t in modules and t != name}
         graph[name] = deps
     return graph
+
+
+def all_imports() -> dict[str, set[str]]:
+    """First-party module -> every absolute module name it imports (first-party or not), anywhere in the file."""
+    out: dict[str, set[str]] = {}
+    for path in (p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        out[module_name(path)] = names
+    return out
+
+
+def _under(name: str, prefixes) -> bool:
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def wall_breaches(imports: dict[str, set[str]]) -> list[str]:
+    """Every import that crosses a wall, as 'module -> import (why)'."""
+    bad = []
+    for module, deps in sorted(imports.items()):
+        for holds, banned, why in WALLS:
+            if not _under(module, holds) or (banned is VLLM_INTERNALS and _under(module, ADAPTER)):
+                continue
+            bad += [f"{module} -> {d} ({why})" for d in sorted(deps) if _under(d, banned)]
+    return bad
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -101,17 +147,44 @@ def test_no_first_party_modules_import_each_other_in_a_circle():
     assert not found, f"import circles: {found}"
 
 
-def test_nothing_in_cluster_imports_the_benchmarks():
-    graph = import_graph()
-    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("cluster") for d in deps
-                 if d.startswith("vtoken.bench"))  # fmt: skip
-    assert not bad, bad
+def test_no_import_crosses_a_wall():
+    assert not wall_breaches(all_imports())
 
 
-def test_the_decision_core_imports_no_torch_and_no_vllm():
+@pytest.mark.parametrize(
+    "module,planted",
+    [
+        ("vtoken.core.compactor", "torch"),
+        ("vtoken.core.planner", "vtoken.kv.mover"),
+        ("vtoken.core.policies.h2o", "vllm"),
+        ("vtoken.kv.mover", "vllm.config"),
+        ("vtoken.kv.tier", "vtoken.vllm_adapter.scheduler"),
+        ("cluster.placement", "vllm.v1.core.sched.scheduler"),
+        ("actors.engines", "vllm.v1.worker.gpu_worker"),
+        ("vtoken.config", "vllm.model_executor.models"),
+        ("cluster.dispatch", "vtoken.bench.concurrency"),
+        ("actors.replica", "vtoken.bench"),
+    ],
+)
+def test_each_wall_fails_on_a_planted_violation(module, planted):
+    imports = all_imports()
+    assert module in imports, f"{module} moved: plant the violation elsewhere"
+    imports[module] = imports[module] | {planted}
+    assert any(b.startswith(f"{module} -> {planted} ") for b in wall_breaches(imports))
+
+
+def test_the_adapter_may_import_vllm_internals_and_public_vllm_is_fine_elsewhere():
+    imports = all_imports()
+    assert any(_under(d, VLLM_INTERNALS) for d in imports["vtoken.vllm_adapter.scheduler"])
+    imports["cluster.requests"] = imports["cluster.requests"] | {"vllm.sampling_params", "vllm.entrypoints.utils"}
+    assert not wall_breaches(imports)
+
+
+def test_importing_the_decision_core_loads_no_torch_and_no_vllm():
+    core = sorted(m for m in all_imports() if _under(m, "vtoken.core")) + ["vtoken.pool_report"]
     code = (
         "import sys\n"
-        f"for m in {DECISION_CORE!r}: __import__(m)\n"
+        f"for m in {core!r}: __import__(m)\n"
         "print(sorted(m for m in ('torch', 'vllm', 'triton') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -1,4 +1,4 @@
-"""The kept-tokens rule (vtoken/budget.py), once for the compactor, placement and the fleet simulator: its values
+"""The kept-tokens rule (vtoken/core/budget.py), once for the compactor, placement and the fleet simulator: its values
 on hand-made cases, and placement's estimate of a request's peak against the blocks the real compactor holds
 (tests/kvsim.py) while it reads a prompt in chunks and decodes."""
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from kvsim import KVSim
 
 from cluster.sim.replica import Limits
-from vtoken.budget import kept_tokens, live_tokens, peak_blocks, target_tokens
-from vtoken.policies import make_policy
+from vtoken.core.budget import kept_tokens, live_tokens, peak_blocks, target_tokens
+from vtoken.core.policies import make_policy
 
 
 def test_the_rule_on_hand_made_cases():

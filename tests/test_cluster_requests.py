@@ -79,8 +79,8 @@ def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent
     [
         ({"mode": "vtoken", "policy": "streaming"}, {"policy": "h2o"}, "vtoken.policy: policy 'h2o' needs attention"),
         ({"mode": "vtoken"}, {"budgett": 0.5}, "vtoken.budgett: not a per-request option"),
-        ({"mode": "vtoken"}, {"budget": float("nan")}, "vtoken.budget: must be a finite number"),
-        ({"mode": "vtoken"}, {"budget": "lots"}, "vtoken.budget:"),
+        ({"mode": "vtoken"}, {"budget": float("nan")}, "vtoken.core.budget: must be a finite number"),
+        ({"mode": "vtoken"}, {"budget": "lots"}, "vtoken.core.budget:"),
         ({"mode": "vtoken"}, {"policy": "random", "policy_params": {"history": 3}}, "no parameter"),
         ({"mode": "off"}, {"policy": "random"}, "eviction off"),
         ({"mode": "vtoken"}, ["h2o"], "expected an object"),

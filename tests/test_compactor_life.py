@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from kvsim import KVSim
 
-from vtoken.phase import TRANSITIONS, InvalidPhase, Phase
-from vtoken.policies import make_policy
+from vtoken.core.phase import TRANSITIONS, InvalidPhase, Phase
+from vtoken.core.policies import make_policy
 
 BS = 4
 
@@ -20,7 +20,7 @@ def test_an_always_request_reads_then_decodes_and_every_change_is_logged(caplog)
     sim = KVSim(num_blocks=64, block_size=BS)
     sim.add("r", prompt=20, policy=make_policy("random", budget=0.5, sink=0, recent=0))
     assert sim.core.states["r"].phase is Phase.READING
-    with caplog.at_level(logging.DEBUG, logger="vtoken.compactor"):
+    with caplog.at_level(logging.DEBUG, logger="vtoken.core.compactor"):
         sim.step({"r": 12})
         sim.step({"r": 8})  # the prompt's last chunk
         sim.step({"r": 1})  # the boundary after it: the prompt is read
@@ -181,7 +181,7 @@ def test_a_request_that_chooses_with_the_question_while_the_pool_is_short_is_com
     """Found by `vtoken bench retrieval --saturate snapkv@0.25:pressure`: a pressure request with parked tokens
     chose with its question (CHOOSING -> KEEPING), and the same step's shed took it again as a keeper, so the
     compactor raised "compacted twice in step". A request decided this step sheds from the next one on."""
-    from vtoken.park import TierSlots
+    from vtoken.core.park import TierSlots
 
     sim = KVSim(num_blocks=20, block_size=BS)
     sim.core.tier = TierSlots(256)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from vtoken.bench.attention_stack import PagedStack, Shapes  # noqa: E402
-from vtoken.fused_mover import FusedMover  # noqa: E402
-from vtoken.move_batch import MoveBatch  # noqa: E402
-from vtoken.mover import ReferenceMover, graph_safe_events  # noqa: E402
+from vtoken.core.move_batch import MoveBatch  # noqa: E402
+from vtoken.kv.fused_mover import FusedMover  # noqa: E402
+from vtoken.kv.mover import ReferenceMover, graph_safe_events  # noqa: E402
 
 
 def test_attention_stack_runs_on_cpu_and_waits_before_each_cache_write():

@@ -1,4 +1,4 @@
-"""The fused mover (vtoken/fused_mover.py) against the per-move reference, with negative controls.
+"""The fused mover (vtoken/kv/fused_mover.py) against the per-move reference, with negative controls.
 
 On CPU the Triton kernel runs under Triton's interpreter: the mover picks it for CPU tensors, so no
 TRITON_INTERPRET switch is set and the rest of the process keeps its compiled Triton kernels. The CUDA
@@ -11,11 +11,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from vtoken.fused_mover import FusedMover, group_sizes  # noqa: E402
-from vtoken.kv_layout import LAYOUTS  # noqa: E402
-from vtoken.move_batch import MoveBatch  # noqa: E402
-from vtoken.move_kernel import pool_rows  # noqa: E402
-from vtoken.mover import ReferenceMover  # noqa: E402
+from vtoken.core.move_batch import MoveBatch  # noqa: E402
+from vtoken.kv.fused_mover import FusedMover, group_sizes  # noqa: E402
+from vtoken.kv.kv_layout import LAYOUTS  # noqa: E402
+from vtoken.kv.move_kernel import pool_rows  # noqa: E402
+from vtoken.kv.mover import ReferenceMover  # noqa: E402
 
 BS, NB, H, HS, LAYERS = 4, 12, 2, 8, 5  # 5 layers: groups of 1, 2, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -169,7 +169,7 @@ def hopper_ptx(phase: int, staged: bool, align: int) -> str:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from vtoken.move_kernel import _kernels
+        from vtoken.kv.move_kernel import _kernels
     except ImportError as e:
         pytest.skip(f"this Triton cannot compile ahead of time: {e}")
     ptr = {n: "*i64" for n in ("words", "pools", "stage")} | {"src": "*i32", "dst": "*i32"}

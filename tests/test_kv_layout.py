@@ -1,4 +1,4 @@
-"""Learned KV layouts (vtoken/kv_layout.py): the view layouts are recognised, a layout no view describes becomes a
+"""Learned KV layouts (vtoken/kv/kv_layout.py): the view layouts are recognised, a layout no view describes becomes a
 TableLayout whose moves keep every byte, and writes that are not a permutation are refused. No vLLM: the VNNI
 writer below stands in for vLLM's AMX kernel (tests/test_vllm_cpu_layout.py checks it against the real one)."""
 
@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kv_layout_sim import vnni_layout, vnni_write
 
-from vtoken.kv_layout import LAYOUTS, learn, resolve, table_of
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import CpuMover, ReferenceMover
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.kv_layout import LAYOUTS, learn, resolve, table_of
+from vtoken.kv.mover import CpuMover, ReferenceMover
 
 BS, HS, NB, H, LAYERS = 32, 32, 6, 2, 2
 

@@ -1,4 +1,4 @@
-"""Random traces through the engine's own compactor (vtoken/compactor.py), several requests sharing one block
+"""Random traces through the engine's own compactor (vtoken/core/compactor.py), several requests sharing one block
 pool, on real KV tensors in vLLM's layouts: live tokens' K and V bytes survive every step, blocks are accounted
 exactly, and ``Compactor.check_integrity`` holds after every step."""
 
@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvsim import KVSim
 
-from vtoken.accounting import naive_retained_blocks
-from vtoken.mover import CpuMover
-from vtoken.policies import ATTN_SUM, make_policy
+from vtoken.core.accounting import naive_retained_blocks
+from vtoken.core.policies import ATTN_SUM, make_policy
+from vtoken.kv.mover import CpuMover
 
 REQS = ("a", "b", "c", "d")
 PROTECTED = {"a": 0, "b": 1, "c": 0, "d": 0}  # request b shares its first block (a cached prefix)
@@ -108,7 +108,7 @@ def test_negative_control_skipping_moves_is_caught():
 
 
 def test_negative_control_integrity_catches_a_block_held_twice():
-    from vtoken.compactor import CompactorError
+    from vtoken.core.compactor import CompactorError
 
     sim = run_trace([("forward", 0, 12, 0)])
     sim.reqs["c"].blocks.append(sim.reqs["a"].blocks[-1])  # planted bug: two requests own one block
@@ -123,7 +123,7 @@ def test_naive_accounting_examples():
 
 
 def test_replay_of_a_request_life():
-    from vtoken.replay import replay
+    from vtoken.core.replay import replay
 
     r = replay(make_policy("random", budget=0.25, sink=4, recent=16), prompt_len=1000, output_len=200, block_size=32)
     assert r.live == max(4 + 16, int(np.ceil(0.25 * 1200)))
@@ -134,7 +134,7 @@ def test_replay_of_a_request_life():
 
 
 def test_one_compaction_per_request_per_step():
-    from vtoken.compactor import CompactorError
+    from vtoken.core.compactor import CompactorError
 
     sim = run_trace([("forward", 0, 12, 0)])
     st = sim.core.states["a"]

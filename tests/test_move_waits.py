@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from vtoken import mover as mover_mod  # noqa: E402
 from vtoken.config import VTokenConfig  # noqa: E402
-from vtoken.fused_mover import FusedMover  # noqa: E402
-from vtoken.mover import CpuMover  # noqa: E402
+from vtoken.kv import mover as mover_mod  # noqa: E402
+from vtoken.kv.fused_mover import FusedMover  # noqa: E402
+from vtoken.kv.mover import CpuMover  # noqa: E402
 from vtoken.vllm_adapter import engine as engine_mod  # noqa: E402
 from vtoken.vllm_adapter import move_waits  # noqa: E402
 from vtoken.vllm_adapter.model_runner import VTokenRunnerMixin  # noqa: E402

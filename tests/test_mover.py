@@ -6,9 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import CpuMover, ReferenceMover
-from vtoken.mover_factory import make_mover
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.mover import CpuMover, ReferenceMover
+from vtoken.kv.mover_factory import make_mover
 
 BS, NB, H, HS, LAYERS = 4, 12, 2, 8, 3
 

@@ -1,4 +1,4 @@
-"""Parking without vLLM (vtoken/park.py, vtoken/tier.py): the tier's slot allocator, tokens parked and restored
+"""Parking without vLLM (vtoken/core/park.py, vtoken/kv/tier.py): the tier's slot allocator, tokens parked and restored
 byte for byte in every layout vToken moves (the CPU layout, CUDA's flash view, AMX's VNNI packing), a tier slot
 one request leaves taken by another's parking in the same step (with the negative control that parks before it
 fetches), and the joint window's statistics against a plain softmax over the parked and live keys."""
@@ -12,15 +12,15 @@ import pytest
 import torch
 from kv_layout_sim import vnni_layout
 
-from vtoken.kv_layout import LAYOUTS
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import CpuMover
-from vtoken.park import Parked, TierSlots
-from vtoken.policies import ATTN_HIST, ATTN_SUM
-from vtoken.scores import AttentionScorer, uniform_share
-from vtoken.scores_reference import window_probs
-from vtoken.tier import KVTier
-from vtoken.worker_step import apply_kv_step
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.park import Parked, TierSlots
+from vtoken.core.policies import ATTN_HIST, ATTN_SUM
+from vtoken.kv.kv_layout import LAYOUTS
+from vtoken.kv.mover import CpuMover
+from vtoken.kv.scores import AttentionScorer, uniform_share
+from vtoken.kv.scores_reference import window_probs
+from vtoken.kv.tier import KVTier
+from vtoken.kv.worker_step import apply_kv_step
 
 BS, D, HEADS, LAYERS, BLOCKS = 32, 16, 2, 3, 12  # VNNI packs V in groups of 16 elements
 
@@ -98,7 +98,7 @@ class ParksBeforeItFetches(KVTier):
 
 
 def apply_step(tier, kv, park: MoveBatch, restore: MoveBatch, moves: MoveBatch):
-    """The worker's byte order, the runner's own function (vtoken/worker_step.py)."""
+    """The worker's byte order, the runner's own function (vtoken/kv/worker_step.py)."""
     apply_kv_step(CpuMover(BS, "cpu"), tier, kv, [], moves, park, restore)
 
 
@@ -215,9 +215,9 @@ def test_every_parked_token_losing_with_live_ones_is_one_clean_compaction():
     parked winners.)"""
     from kvsim import SimPool
 
-    from vtoken.compactor import Compactor
-    from vtoken.policies import make_policy
-    from vtoken.records import RequestRecord
+    from vtoken.core.compactor import Compactor
+    from vtoken.core.policies import make_policy
+    from vtoken.core.records import RequestRecord
 
     bs, pool, blocks = 4, SimPool(16), []
     core = Compactor("vtoken", bs, pool, lambda rid: blocks, TierSlots(64))

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vtoken.planner import (
+from vtoken.core.planner import (
     CompactionPlan,
     PlannerError,
     moves_lower_bound,

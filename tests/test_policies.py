@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vtoken.bench.footprint import code_lines
-from vtoken.policies import ATTN_HIST, ATTN_SUM, POLICIES, PolicyInput, make_policy, policy_params
+from vtoken.core.policies import ATTN_HIST, ATTN_SUM, POLICIES, PolicyInput, make_policy, policy_params
 
 
 def inp(n, step=1, live=None, seed=0, protected=None):

@@ -151,7 +151,7 @@ def test_snapkv_between_chunks_is_exact_and_decides_unlike_h2o():
     assert [t["evicted_positions"] for t in snap.trace] != [t["evicted_positions"] for t in h2o.trace]
 
 
-# ------------------------------------------------------------------ parking (vtoken/park.py)
+# ------------------------------------------------------------------ parking (vtoken/core/park.py)
 @pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
 def test_parked_tokens_come_back_and_the_output_stays_exact(policy):
     """What a chunk boundary drops waits in the tier; one token before the end of the prompt the window chooses

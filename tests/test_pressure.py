@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vllm
 
 from test_vllm_engine import PRESSURE, check_exact, engine  # noqa: E402
 
-from vtoken.policies import make_policy  # noqa: E402
+from vtoken.core.policies import make_policy  # noqa: E402
 
 CHUNK, BS = 32, 32
 CFG = {"mode": "vtoken", "policy": "h2o", "budget": 64, "sink": 2, "recent": 8, "prefill_chunk": CHUNK}
@@ -85,7 +85,7 @@ def test_snapkv_keepers_shed_by_their_decode_window_scored_on_demand_and_stay_ex
 
 def test_a_floor_holds_back_who_does_not_fit_sheds_less_and_stays_exact():
     """``pressure_floor`` (0.9): a waiting request is admitted only while every request fits at its floor
-    (vtoken/shedding.py admissible), so fewer run at once, fewer tokens are shed, nobody is preempted, and the
+    (vtoken/core/shedding.py admissible), so fewer run at once, fewer tokens are shed, nobody is preempted, and the
     outputs equal the masked reference."""
     floored = engine({**CFG, "evict": "pressure", "park_tokens": 4096, "pressure_floor": 0.9}, **SHORT)
     plain = short("pressure")

@@ -1,4 +1,4 @@
-"""The on-demand window of recent queries (vtoken/query_window.py): what it scores equals a plain softmax over the
+"""The on-demand window of recent queries (vtoken/kv/query_window.py): what it scores equals a plain softmax over the
 same queries and keys, in vLLM's CPU layout and CUDA's flash view; the ring keeps the last W queries; a window
 starts afresh after a decision; buffers keep their addresses, so a CUDA graph can write them (marked gpu)."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.kv_layout import LAYOUTS
-from vtoken.query_window import QueryWindow
+from vtoken.kv.kv_layout import LAYOUTS
+from vtoken.kv.query_window import QueryWindow
 
 BS, D, KVH, HEADS, LAYERS, BLOCKS = 4, 8, 2, 4, 3, 16
 

@@ -1,10 +1,10 @@
-"""Schedule (vtoken/schedule.py): when a request may evict, which queries are scored, and parking's two points, on
+"""Schedule (vtoken/core/schedule.py): when a request may evict, which queries are scored, and parking's two points, on
 hand-made cases. The compactor, replay and the quality benchmarks all ask this one object."""
 
 import pytest
 
-from vtoken.policies import make_policy
-from vtoken.schedule import Schedule
+from vtoken.core.policies import make_policy
+from vtoken.core.schedule import Schedule
 
 P = 100  # prefill_len
 

@@ -1,4 +1,4 @@
-"""The fast AttentionScorer against its plain reference (vtoken/scores_reference.py) on random KV in both
+"""The fast AttentionScorer against its plain reference (vtoken/kv/scores_reference.py) on random KV in both
 layouts: several requests of different lengths in one batch, prefill chunks observed through their windows
 and decode rows through their one query, unobserved rows between them, eviction and compaction between
 steps. Planted bugs prove the comparison can fail. GPU variants run on CUDA (scripts/gpu_check.sh)."""
@@ -11,9 +11,9 @@ import torch
 from kv_layout_sim import vnni_layout
 from scores_sim import Req, ScoreSim, assert_same_stats, batch
 
-from vtoken.policies import ATTN_HIST, ATTN_SUM, PolicyInput, make_policy
-from vtoken.scores import AttentionScorer, uniform_share
-from vtoken.scores_reference import NEAR_TIE, ReferenceScorer, window_probs
+from vtoken.core.policies import ATTN_HIST, ATTN_SUM, PolicyInput, make_policy
+from vtoken.kv.scores import AttentionScorer, uniform_share
+from vtoken.kv.scores_reference import NEAR_TIE, ReferenceScorer, window_probs
 
 
 def run(fast_cls=AttentionScorer, steps=9, evict=0.2, layout="cpu", device="cpu", dtype=torch.float32, **kw):

@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from vtoken.kv_layout import LAYOUTS  # noqa: E402
+from vtoken.core.packing import kill_and_pack  # noqa: E402
+from vtoken.core.planner import to_global_slots  # noqa: E402
+from vtoken.core.token_table import TokenTable  # noqa: E402
+from vtoken.kv.kv_layout import LAYOUTS  # noqa: E402
+from vtoken.kv.mover import CpuMover  # noqa: E402
+from vtoken.kv.scores import ATTN_HIST, ATTN_SUM, AttentionScorer, uniform_share  # noqa: E402
+from vtoken.kv.scores_reference import TIE_RTOL, ReferenceScorer  # noqa: E402
 from vtoken.models import model_path  # noqa: E402
-from vtoken.mover import CpuMover  # noqa: E402
-from vtoken.packing import kill_and_pack  # noqa: E402
-from vtoken.planner import to_global_slots  # noqa: E402
-from vtoken.scores import ATTN_HIST, ATTN_SUM, AttentionScorer, uniform_share  # noqa: E402
-from vtoken.scores_reference import TIE_RTOL, ReferenceScorer  # noqa: E402
-from vtoken.token_table import TokenTable  # noqa: E402
 
 PROMPT, DECODE, WINDOW, BS, NUM_BLOCKS = 150, 8, 16, 32, 16
 EVICT = {3: [5, 9, 17, 30, 41, 63, 77, 99, 120], 6: [2, 50, 51, 52, 140, 151]}  # decode step -> logical victims

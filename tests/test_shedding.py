@@ -1,4 +1,4 @@
-"""Pressure mode's shedding plan (vtoken/shedding.py) against a brute force: the shortfall covered (as far as the
+"""Pressure mode's shedding plan (vtoken/core/shedding.py) against a brute force: the shortfall covered (as far as the
 budgets allow) with the fewest tokens, never below a request's budget, ties in the documented order; and on the real
 compactor (tests/kvsim.py), every request at or above its budget and the pool's shortfall covered."""
 
@@ -11,9 +11,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvsim import KVSim
 
-from vtoken.phase import Phase
-from vtoken.policies import make_policy
-from vtoken.shedding import Holder, admissible, blocks_given, plan_sheds, plan_sheds_above, reserved_blocks, tokens_for
+from vtoken.core.phase import Phase
+from vtoken.core.policies import make_policy
+from vtoken.core.shedding import (
+    Holder,
+    admissible,
+    blocks_given,
+    plan_sheds,
+    plan_sheds_above,
+    reserved_blocks,
+    tokens_for,
+)
 
 BS = 4
 

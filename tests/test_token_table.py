@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vtoken.token_table import TokenTable, TokenTableError
+from vtoken.core.token_table import TokenTable, TokenTableError
 
 
 def test_append_kill_moves_roundtrip():
@@ -86,7 +86,7 @@ def test_random_trace_keeps_invariants(ops, bs):
 def test_naive_blocks_match_the_accounting_reference(ops, writing):
     """TokenTable.naive_blocks (O(blocks), from per-block live counts) equals naive_retained_blocks over the
     live mask with the next ``writing`` tokens appended as live (O(tokens))."""
-    from vtoken.accounting import naive_retained_blocks
+    from vtoken.core.accounting import naive_retained_blocks
 
     t = TokenTable(block_size=4)
     for op, n, seed in ops:

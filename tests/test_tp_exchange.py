@@ -25,8 +25,8 @@ import pytest
 import torch
 from scores_sim import ScoreSim, assert_same_stats, batch, compare
 
-from vtoken.move_batch import MoveBatch
-from vtoken.scores_reference import ReferenceScorer
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.scores_reference import ReferenceScorer
 from vtoken.vllm_adapter.faults import FaultyTensorParallel
 from vtoken.vllm_adapter.messages import empty_step
 from vtoken.vllm_adapter.scores import AttentionScorer

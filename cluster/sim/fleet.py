@@ -23,7 +23,7 @@ from cluster.placement import ReplicaView, make_strategy
 from cluster.sim.calibration import Calibration
 from cluster.sim.replica import Limits, Replica, Seq
 from cluster.sim.workload import Request
-from vtoken.budget import peak_blocks
+from vtoken.core.budget import peak_blocks
 
 
 @dataclass(frozen=True)

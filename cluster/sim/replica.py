@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from cluster.sim.calibration import BlockProfile, StepTime
 from cluster.sim.workload import Request
-from vtoken.budget import live_tokens
+from vtoken.core.budget import live_tokens
 
 
 class Seq:
@@ -52,7 +52,7 @@ class Limits:
     protected: int = 20  # sink + recent tokens, never evicted
 
     def live(self, ctx: int) -> int:
-        """Live tokens of a request at ``ctx`` tokens: the compactor's rule (vtoken/budget.py)."""
+        """Live tokens of a request at ``ctx`` tokens: the compactor's rule (vtoken/core/budget.py)."""
         return live_tokens(ctx, self.budget, self.protected, 0)
 
 

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import torch
 
-from vtoken.move_batch import MoveBatch
-from vtoken.mover_factory import make_mover
-from vtoken.planner import moves_lower_bound, plan_compaction, plan_compaction_reference
-from vtoken.token_table import TokenTable
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.planner import moves_lower_bound, plan_compaction, plan_compaction_reference
+from vtoken.core.token_table import TokenTable
+from vtoken.kv.mover_factory import make_mover
 
 
 def add_args(p) -> None:

@@ -1,6 +1,6 @@
 """Footprint: lines of code per eviction policy, and vToken's metadata per token.
 
-A policy is one small class in ``vtoken/policies/`` with one method; the base class does the rest. We
+A policy is one small class in ``vtoken/core/policies/`` with one method; the base class does the rest. We
 count every line of the policy's file and, separately, its code lines (no blanks, comments or
 docstrings). Metadata: the TokenTable's bytes per logical token at 16K tokens (the paper: ~256 KB for a
 16K-token sequence, ~16 B per token). No engine runs here, so there is nothing to compare side by side.
@@ -47,8 +47,8 @@ def code_lines(source: str) -> int:
 
 
 def run(args) -> dict:
-    from vtoken.policies import POLICIES
-    from vtoken.token_table import TokenTable
+    from vtoken.core.policies import POLICIES
+    from vtoken.core.token_table import TokenTable
 
     rows = []
     for name, cls in sorted(POLICIES.items()):
@@ -57,12 +57,12 @@ def run(args) -> dict:
         rows.append(
             {
                 "policy": name,
-                "file": f"vtoken/policies/{path.name}",
+                "file": f"vtoken/core/policies/{path.name}",
                 "lines": len(src.splitlines()),
                 "code_lines": code_lines(src),
             }
         )
-    base = Path(__import__("vtoken.policies.base", fromlist=["_"]).__file__).read_text()
+    base = Path(__import__("vtoken.core.policies.base", fromlist=["_"]).__file__).read_text()
     tokens = 2048 if args.quick else args.tokens
     table = TokenTable(32)
     table.append(tokens)
@@ -81,7 +81,7 @@ def tables(result: dict) -> list[Table]:
             "Lines per policy (goal: < 30; paper: < 50)",
             ["policy", "file", "lines", "code lines"],
             rows,
-            f"Shared mechanics (budget, sink/recent, protection, top-k) live once in vtoken/policies/base.py: "
+            f"Shared mechanics (budget, sink/recent, protection, top-k) live once in vtoken/core/policies/base.py: "
             f"{b['lines']} lines, {b['code_lines']} of code.",
         ),
         Table(

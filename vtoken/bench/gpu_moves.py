@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from vtoken.bench.attention_stack import SHAPES, PagedStack
-from vtoken.fused_mover import FusedMover
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import CudaMover
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.fused_mover import FusedMover
+from vtoken.kv.mover import CudaMover
 
 _SPIN_CYCLES = 20_000_000  # ~10 ms at H200 clocks: longer than the CPU takes to queue any mover's launches
 

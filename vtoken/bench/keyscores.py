@@ -34,7 +34,7 @@ from vtoken.bench.engine_run import log
 from vtoken.bench.needles import wilson
 from vtoken.bench.quality import masked_forward
 from vtoken.bench.report import Table
-from vtoken.budget import kept_tokens
+from vtoken.core.budget import kept_tokens
 
 SCORERS = ("window", "knorm", "keydiff", "streaming")
 
@@ -69,7 +69,7 @@ def answer(model, prompt: list[int], scorer: str | None, policy, chunk: int, win
     tokens when the question had been read."""
     import torch
 
-    from vtoken.policies import ATTN_SUM, PolicyInput
+    from vtoken.core.policies import ATTN_SUM, PolicyInput
 
     n = len(prompt)
     ids = list(prompt)
@@ -125,8 +125,8 @@ def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vtoken.bench.suites import SUITES, reply
+    from vtoken.core.policies import make_policy
     from vtoken.models import model_path
-    from vtoken.policies import make_policy
 
     suite = SUITES[args.suite]
     if args.quick:

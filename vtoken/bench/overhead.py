@@ -174,7 +174,7 @@ def scorer_micro(
     at the middle length. Median and best of ``repeats`` steps; least-squares fit of the best: a + b * tokens."""
     import torch
 
-    from vtoken.scores import AttentionScorer
+    from vtoken.kv.scores import AttentionScorer
 
     layers, heads, kv_heads, d, bs = 30, 9, 3, 64, 32
     dev, dt = torch.device(device), getattr(torch, dtype)
@@ -248,14 +248,14 @@ def window_micro(
     budget: float = 0.25,
 ) -> dict:
     """The default's decode scoring against the per-step scorer, per decode step, on a model's shapes: the window of
-    recent queries (vtoken/query_window.py) written every step and scored once per decision, a decision about every
-    ``block / (1 - budget)`` steps, amortised over them; the per-step scorer (vtoken/scores.py) scores every step."""
+    recent queries (vtoken/kv/query_window.py) written every step and scored once per decision, a decision about every
+    ``block / (1 - budget)`` steps, amortised over them; the per-step scorer (vtoken/kv/scores.py) scores every step."""
     import torch
 
     from vtoken.bench.attention_stack import SHAPES
     from vtoken.bench.core import _best
-    from vtoken.query_window import QueryWindow
-    from vtoken.scores import AttentionScorer
+    from vtoken.kv.query_window import QueryWindow
+    from vtoken.kv.scores import AttentionScorer
 
     s, bs = SHAPES[shapes], 32 if device == "cpu" else 16
     dev, dt = torch.device(device), getattr(torch, dtype)

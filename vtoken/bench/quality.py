@@ -25,8 +25,8 @@ import numpy as np
 
 from vtoken.bench.engine_run import Engine, log
 from vtoken.bench.report import Table
-from vtoken.budget import kept_tokens
-from vtoken.query_window import DECODE_WINDOW
+from vtoken.core.budget import kept_tokens
+from vtoken.kv.query_window import DECODE_WINDOW
 
 POLICIES = ("h2o", "scissorhands", "random", "streaming")
 ATTENTION_POLICIES = ("h2o", "scissorhands")  # the ones score_every applies to
@@ -73,9 +73,9 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     queries; 0: the context is read at once and eviction starts with the decode steps."""
     import torch
 
-    from vtoken.policies import ATTN_HIST, ATTN_SUM, PolicyInput
-    from vtoken.schedule import Schedule
-    from vtoken.scores import uniform_share
+    from vtoken.core.policies import ATTN_HIST, ATTN_SUM, PolicyInput
+    from vtoken.core.schedule import Schedule
+    from vtoken.kv.scores import uniform_share
 
     t_eval = len(ids) - ctx
     live = np.ones(len(ids), dtype=bool)
@@ -83,14 +83,14 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
     hist = np.zeros(len(ids), dtype=np.int64)
     needs = bool(policy and policy.needs)
     have = False  # statistics from the forward just run, as the engine's scheduler receives them
-    # The engine's own timing rules (vtoken/schedule.py): when the policy may evict, which queries are scored.
+    # The engine's own timing rules (vtoken/core/schedule.py): when the policy may evict, which queries are scored.
     sched = Schedule.of(policy, prefill_evict=bool(chunk), window=window, block_size=32) if policy else None
     recent: list[
         np.ndarray
     ] = []  # on-demand policies: the attention rows of the decode queries since the last decision
 
     def keep(n: int) -> int:
-        return kept_tokens(n, policy.budget, policy.sink, policy.recent)  # the engine's rule (vtoken/budget.py)
+        return kept_tokens(n, policy.budget, policy.sink, policy.recent)  # the engine's rule (vtoken/core/budget.py)
 
     def evict(n: int, num_output: int) -> None:
         nonlocal have
@@ -100,7 +100,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
         if step is None:
             return
         alive = np.flatnonzero(live[:n])
-        if sched.on_demand and step:  # the window of recent queries, scored at the decision (vtoken/query_window.py)
+        if sched.on_demand and step:  # the window of recent queries, scored at the decision (vtoken/kv/query_window.py)
             acc[:] = 0
             for row in recent:
                 acc[: row.size] += row
@@ -122,7 +122,7 @@ def perplexity(model, ids: list[int], ctx: int, policy, chunk: int = 0, window: 
                     recent[:] = [*recent[-(DECODE_WINDOW - 1) :], w]
                     continue
                 acc[: q + 1] += w
-                # The scorer's one definition (vtoken.scores.uniform_share): 1 / the keys this query attends
+                # The scorer's one definition (vtoken.kv.scores.uniform_share): 1 / the keys this query attends
                 # to, itself included. Here those are the live tokens up to it (the mask hides the dead),
                 # which is what the engine's physical causal length p_q + 1 counts once dead slots are packed.
                 hot = (w / (layers * heads) > uniform_share(live[: q + 1].sum())).astype(np.int64)

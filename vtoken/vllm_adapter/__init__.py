@@ -2,7 +2,7 @@
 lives in vtoken/config.py and the pool report in vtoken/pool_report.py (no torch, no vLLM); both are re-exported.
 
 engine.py        engine_kwargs / make_llm / open_llm / make_async_llm / vtoken_stats / pool_report
-scheduler.py     VTokenScheduler: vLLM glue around the compactor (vtoken/compactor.py)
+scheduler.py     VTokenScheduler: vLLM glue around the compactor (vtoken/core/compactor.py)
 model_runner.py  worker side: moves before the forward, logical RoPE vs physical slots
 scores.py        attention statistics for h2o / scissorhands, per physical slot on the device
 move_waits.py    CUDA: each attention layer waits only for its own layers' moves (graph safe)

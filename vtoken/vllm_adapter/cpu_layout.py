@@ -2,10 +2,10 @@
 
 vllm/v1/attention/backends/cpu_attn.py picks a kernel per machine, dtype and shape (``_get_attn_isa``: "amx"
 for bf16 where AMX tiles exist, else "vec", "vec16", "neon", ...) and the kernel decides where a token's K and V
-go: the vec family stores K^T per block (``vtoken.kv_layout``'s "cpu" view), AMX packs bf16 in VNNI pairs. Rather
+go: the vec family stores K^T per block (``vtoken.kv.kv_layout``'s "cpu" view), AMX packs bf16 in VNNI pairs. Rather
 than mirror those rules, the worker writes probes through the backend's own cache update
 (``CPUAttentionBackendImpl.do_kv_cache_update``, with the layer's ISA) and learns the layout once
-(``vtoken.kv_layout.learn``).
+(``vtoken.kv.kv_layout.learn``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from vtoken.kv_layout import LAYOUTS, Layout, TableLayout, learn, resolve
+from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout, learn, resolve
 
 logger = logging.getLogger(__name__)
 

@@ -124,7 +124,7 @@ def _cuda_graphs(cfg: VTokenConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
     attention is a splitting op and runs eagerly between captured pieces, but a full graph would replay it
     without calling the hook. So with a scorer (or without graph-safe events in this torch) graphs are
     piecewise, and a full mode asked for is refused; without one vLLM's default (full and piecewise) stays."""
-    from vtoken.mover import graph_safe_events
+    from vtoken.kv.mover import graph_safe_events
 
     if kwargs.get("enforce_eager") or (not (cfg.make_policy().needs or cfg.collect_scores) and graph_safe_events()):
         return kwargs

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vtoken.move_batch import MoveBatch
+from vtoken.core.move_batch import MoveBatch
 
 
 @dataclass
@@ -22,12 +22,12 @@ class VTokenStep:
     gaps: dict[str, int] = field(default_factory=dict)  # req -> logical - physical length (changes only)
     observe: dict[str, int] = field(default_factory=dict)  # req -> how many of this forward's last queries to score
     export: dict[str, tuple[str, ...]] = field(default_factory=dict)  # req -> statistics to send back after it
-    # Parking (vtoken/park.py): pool -> tier before the moves, tier -> pool after them; and the last chunks whose
+    # Parking (vtoken/core/park.py): pool -> tier before the moves, tier -> pool after them; and the last chunks whose
     # window is scored over live and parked keys together: req -> its tier slots.
     park: MoveBatch = field(default_factory=lambda: MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
     restore: MoveBatch = field(default_factory=lambda: MoveBatch(np.empty(0, np.int64), np.empty(0, np.int64)))
     joint: dict[str, np.ndarray] = field(default_factory=dict)
-    # On-demand statistics (vtoken/query_window.py): requests whose decode query joins their window this step, and
+    # On-demand statistics (vtoken/kv/query_window.py): requests whose decode query joins their window this step, and
     # requests whose window is scored after this forward (req -> statistics to send back).
     record: tuple[str, ...] = ()
     window: dict[str, tuple[str, ...]] = field(default_factory=dict)

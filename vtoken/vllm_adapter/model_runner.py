@@ -16,18 +16,18 @@ import numpy as np
 import torch
 
 from vtoken.config import VTokenConfig
-from vtoken.mover import Mover
-from vtoken.mover_factory import make_mover
-from vtoken.policies import ATTN_SUM
-from vtoken.query_window import QueryWindow
-from vtoken.tier import KVTier
+from vtoken.core.policies import ATTN_SUM
+from vtoken.kv.mover import Mover
+from vtoken.kv.mover_factory import make_mover
+from vtoken.kv.query_window import QueryWindow
+from vtoken.kv.tier import KVTier
+from vtoken.kv.worker_step import apply_kv_step
 from vtoken.vllm_adapter import move_waits
 from vtoken.vllm_adapter import scores as scores_mod
 from vtoken.vllm_adapter.cpu_layout import learn_cpu_layout
 from vtoken.vllm_adapter.engine import tier_tokens
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
 from vtoken.vllm_adapter.tp import TensorParallel
-from vtoken.worker_step import apply_kv_step
 
 
 class VTokenRunnerMixin:
@@ -42,8 +42,8 @@ class VTokenRunnerMixin:
         self.vt_export_len: dict[str, int] = {}
         self.vt_mover: Mover | None = None
         self.vt_scorer: scores_mod.AttentionScorer | None = None
-        self.vt_tier: KVTier | None = None  # parking's second tier (vtoken/tier.py)
-        self.vt_window: QueryWindow | None = None  # each decoding request's recent queries (vtoken/query_window.py)
+        self.vt_tier: KVTier | None = None  # parking's second tier (vtoken/kv/tier.py)
+        self.vt_window: QueryWindow | None = None  # each decoding request's recent queries (vtoken/kv/query_window.py)
         self.vt_record: tuple[str, ...] = ()
         self.vt_window_ask: dict[str, tuple[str, ...]] = {}
         self.vt_window_len: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """Per-layer waits: each attention layer touches its KV cache only once that layer's moves of the step are done.
 
-The fused mover (``vtoken/fused_mover.py``) issues a step's moves on a side stream at the start of
+The fused mover (``vtoken/kv/fused_mover.py``) issues a step's moves on a side stream at the start of
 ``execute_model`` and records one event per group of layers (1, 2, 4, ... layers). The forward's stream waits
 for each group only where the group's first layer first touches its cache; the layers before it run while the
 group's moves do. The waits, in the order a layer runs (vllm/model_executor/layers/attention/attention.py):
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vtoken.mover import Mover
+from vtoken.kv.mover import Mover
 
 __all__ = ["install"]
 

@@ -1,4 +1,4 @@
-"""VTokenScheduler: vLLM's scheduler with vToken's compactor (vtoken/compactor.py) wired in. vLLM glue only.
+"""VTokenScheduler: vLLM's scheduler with vToken's compactor (vtoken/core/compactor.py) wired in. vLLM glue only.
 
 Each step:
 
@@ -26,10 +26,10 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vtoken.budget import kept_tokens
-from vtoken.compactor import Compactor, Progress, StepPlan
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
-from vtoken.park import TierSlots
+from vtoken.core.budget import kept_tokens
+from vtoken.core.compactor import Compactor, Progress, StepPlan
+from vtoken.core.park import TierSlots
 from vtoken.pool_report import PoolReport
 from vtoken.vllm_adapter.engine import tier_tokens
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput
@@ -280,7 +280,7 @@ class VTokenScheduler(Scheduler):
 
     # ---------------------------------------------------------------- observability
     def vtoken_stats(self, reset: bool = False) -> dict[str, Any]:
-        """Per-request and per-engine figures (see vtoken/records.py). Walks every running request: for tests and
+        """Per-request and per-engine figures (see vtoken/core/records.py). Walks every running request: for tests and
         benchmarks; servers poll ``vtoken_pool_report``. ``reset``: afterwards start peak_running and the
         finished-request list afresh."""
         core = self.vt_core.stats(reset, running=len(self.running))

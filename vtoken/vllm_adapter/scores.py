@@ -4,8 +4,8 @@ vllm/model_executor/layers/attention/attention.py calls ``layer.impl.forward(lay
 kv_cache, attn_metadata, ...)`` after RoPE, with the step's KV already written; the wrapper below passes
 those to ``AttentionScorer.observe`` once the layer's own attention is done, and its output (``[num_tokens, heads,
 head_size]``, vLLM's ``output`` buffer) to parking's tier, which rewrites the rows of a last prompt chunk that must
-attend the parked tokens too (vtoken/tier.py), before the next layer reads them. The scorer itself
-(``vtoken/scores.py``) knows no vLLM beyond four metadata field names, so it is tested, and checked on a
+attend the parked tokens too (vtoken/kv/tier.py), before the next layer reads them. The scorer itself
+(``vtoken/kv/scores.py``) knows no vLLM beyond four metadata field names, so it is tested, and checked on a
 GPU, without vLLM.
 
 On CUDA the hook runs between the pieces of vLLM's piecewise CUDA graphs (attention is a splitting op there),
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from vtoken.scores import AttentionScorer
+from vtoken.kv.scores import AttentionScorer
 
 __all__ = ["AttentionScorer", "Observers", "install"]
 

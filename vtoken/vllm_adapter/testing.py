@@ -17,11 +17,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from vtoken.compactor import StepPlan
 from vtoken.config import VTokenConfig
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import Mover
-from vtoken.planner import to_global_slots
+from vtoken.core.compactor import StepPlan
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.planner import to_global_slots
+from vtoken.kv.mover import Mover
 from vtoken.vllm_adapter import engine as engine_mod
 from vtoken.vllm_adapter.engine import TESTING_KEY
 from vtoken.vllm_adapter.faults import FAULTS, FaultyTensorParallel

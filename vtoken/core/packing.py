@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vtoken.move_batch import MoveBatch
-from vtoken.planner import CompactionPlan, plan_compaction, to_global_slots
-from vtoken.token_table import TokenTable
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.planner import CompactionPlan, plan_compaction, to_global_slots
+from vtoken.core.token_table import TokenTable
 
 
 class Packed(NamedTuple):

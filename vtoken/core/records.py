@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vtoken.token_table import TokenTable
+from vtoken.core.token_table import TokenTable
 
 
 def request_seed(request_id: str) -> int:
@@ -43,7 +43,7 @@ class RequestRecord:
     died_pos: list[np.ndarray] = field(default_factory=list)
     died_step: list[np.ndarray] = field(default_factory=list)
     died_forward: list[np.ndarray] = field(default_factory=list)
-    restored_pos: list[np.ndarray] = field(default_factory=list)  # parked, then back in the pool (vtoken/park.py)
+    restored_pos: list[np.ndarray] = field(default_factory=list)  # parked, then back in the pool (vtoken/core/park.py)
     restored_parked_at: list[np.ndarray] = field(default_factory=list)  # the first forward that did not see them
     restored_at: list[np.ndarray] = field(default_factory=list)  # the first forward that saw them again
     shed_at: int = -1  # pressure mode: the forward before which it shed first (-1: never)

@@ -20,10 +20,10 @@ in place (vLLM's ``req_to_blocks[rid]``). The engine's glue reads nothing else o
 
 A forward is a PREFILL chunk while the request (re)computes the tokens it had when it was admitted (the prompt;
 after a preemption, the prompt and the outputs so far); after that, every forward is a decode step. WHEN a request
-may evict is vtoken/schedule.py's business; WHAT it does then depends on its phase (vtoken/phase.py):
+may evict is vtoken/core/schedule.py's business; WHAT it does then depends on its phase (vtoken/core/phase.py):
 
     keeping   (pressure mode) nothing until the pool runs short
-    reading   evict to the budget at a chunk boundary; with a tier (``tier``, vtoken/park.py) the victims are
+    reading   evict to the budget at a chunk boundary; with a tier (``tier``, vtoken/core/park.py) the victims are
               parked outside the pool
     choosing  (parked tokens, the question read) choose among live and parked tokens by the last chunk's window;
               parked winners come back into pool slots
@@ -32,7 +32,7 @@ may evict is vtoken/schedule.py's business; WHAT it does then depends on its pha
 Pressure mode (``evict: "pressure"``): the budget is a floor, not a target. A request keeps every token until the
 pool runs short (``plan_step``'s shortfall: blocks the running and waiting requests need, plus a watermark, beyond
 the free ones); then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
-lowest-scored ones and never below its budget (vtoken/shedding.py says in which order, and why), and go on keeping
+lowest-scored ones and never below its budget (vtoken/core/shedding.py says in which order, and why), and go on keeping
 the rest. A request still reading its prompt parks what it sheds, and chooses among live and parked tokens with
 the question as in always mode, keeping as many as it holds.
 """
@@ -45,18 +45,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vtoken.budget import forward_bound
-from vtoken.move_batch import MoveBatch
-from vtoken.packing import kill_and_pack
-from vtoken.park import TierSlots
-from vtoken.phase import Phase, check_phase
-from vtoken.planner import to_global_slots
-from vtoken.policies import EvictionPolicy, PolicyInput
-from vtoken.records import EngineTotals, RequestRecord, TraceBook, request_seed
-from vtoken.request_state import RequestState
-from vtoken.schedule import Schedule
-from vtoken.shedding import Holder, admissible, floor_tokens, plan_sheds, plan_sheds_above, reserved_blocks
-from vtoken.token_table import TokenTable
+from vtoken.core.budget import forward_bound
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.packing import kill_and_pack
+from vtoken.core.park import TierSlots
+from vtoken.core.phase import Phase, check_phase
+from vtoken.core.planner import to_global_slots
+from vtoken.core.policies import EvictionPolicy, PolicyInput
+from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_seed
+from vtoken.core.request_state import RequestState
+from vtoken.core.schedule import Schedule
+from vtoken.core.shedding import Holder, admissible, floor_tokens, plan_sheds, plan_sheds_above, reserved_blocks
+from vtoken.core.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Compactor:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
         self.tier = tier
-        self.floor = float(floor)  # pressure_floor of requests added without their own (vtoken/shedding.py)
+        self.floor = float(floor)  # pressure_floor of requests added without their own (vtoken/core/shedding.py)
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
@@ -327,7 +327,7 @@ class Compactor:
         self.totals.tokens_moved += tokens_moved
 
     def stats(self, reset: bool = False, running: int = 0) -> dict[str, Any]:
-        """Per-request figures and the engine's totals (vtoken/records.py). Walks every request: for tests and
+        """Per-request figures and the engine's totals (vtoken/core/records.py). Walks every request: for tests and
         benchmarks. ``reset``: afterwards start peak_running (at ``running``) and the finished list afresh."""
         reqs = {}
         for rid, st in self.states.items():
@@ -389,7 +389,7 @@ class Compactor:
 
     def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
         """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
-        admitted so that every request fits in the pool at its floor (vtoken/shedding.py admissible); None when
+        admitted so that every request fits in the pool at its floor (vtoken/core/shedding.py admissible); None when
         neither the engine nor any request, running or waiting, has a floor (the engine admits as it would).
         ``waiting``: each one's (tokens, tokens its budget keeps of them, its floor: 0 in always mode). A request in
         always mode reserves its budget, one in pressure mode its floor, each with the token it writes next; one
@@ -409,7 +409,7 @@ class Compactor:
         return sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
 
     def _to(self, st: RequestState, phase: Phase, why: str) -> None:
-        """THE phase change of a request: checked against vtoken/phase.py's table, and logged."""
+        """THE phase change of a request: checked against vtoken/core/phase.py's table, and logged."""
         check_phase(st.request_id, st.phase, phase, why)
         logger.debug("vtoken: request %s %s -> %s (%s)", st.request_id, st.phase, phase, why)
         st.phase = phase
@@ -427,7 +427,7 @@ class Compactor:
 
     def _shed(self, todo, fresh, shortfall: int):
         """Pressure mode: requests still keeping every token give back what the shortfall needs, with the fewest
-        tokens (vtoken/shedding.py: the order and why), each its lowest-scored candidates and never below its
+        tokens (vtoken/core/shedding.py: the order and why), each its lowest-scored candidates and never below its
         budget; a request still reading its prompt parks what it sheds. Yields (request, its moves)."""
         found = []
         for p, st in todo:

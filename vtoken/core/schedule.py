@@ -1,5 +1,5 @@
 """Schedule: WHEN a request may evict, which queries the worker scores for it, and when parking's last chunk stops
-short and its parked tokens are chosen. The policy says WHAT goes (vtoken/policies/: ``score()`` and the top-k);
+short and its parked tokens are chosen. The policy says WHAT goes (vtoken/core/policies/: ``score()`` and the top-k);
 this says when it may be asked. One small object per request that the compactor (the engine and the property
 tests), replay, the quality benchmark and the retrieval benchmark share, as kvpress wraps a ``ScorerPress`` (what)
 in a ``DecodingPress`` (when).
@@ -10,7 +10,7 @@ which its policy may evict, given the tokens computed so far and the outputs sam
     chunk boundary              only with ``prefill_evict``; policy step 0
     the boundary after the last chunk (every chunk boundary evicts)
     decode step s               once the request holds ``slack`` tokens more than it keeps (``keep(n)``,
-                                vtoken/budget.py): decisions come in batches, and evict back to ``keep(n)``
+                                vtoken/core/budget.py): decisions come in batches, and evict back to ``keep(n)``
     a shed (pressure mode)      at any decision point, whatever the slack (the pool is short now); step 0
 
 ``slack`` is the policies' ``interval``: 1 decides at every decode step (exact per-step eviction), the default
@@ -21,13 +21,13 @@ A policy that reads attention statistics decides only with statistics from the f
 observation window (its last ``window`` queries), scored only when the boundary after it may evict, and, while
 decoding, either every observed decode query (``per step``: h2o, scissorhands, whose definitions accumulate them;
 one step in ``score_every``), exported before a decision, or (``on_demand``: snapkv) the last queries of the
-request kept in a window the worker fills as it decodes (vtoken/query_window.py) and scores once, just before a
+request kept in a window the worker fills as it decodes (vtoken/kv/query_window.py) and scores once, just before a
 decision: no per-step scorer at all. ``eager`` (pressure mode): every chunk window is scored, because any chunk
 boundary may shed; a decoding request that keeps every token has its window recorded and scored only when the
 pool may run short soon, which is a question about the pool, not the request (``Compactor.foresee``; ``slack``
 still spaces the scorings).
 
-Parking (vtoken/park.py) adds two points, both for a request with parked tokens: the prompt's last chunk stops one
+Parking (vtoken/core/park.py) adds two points, both for a request with parked tokens: the prompt's last chunk stops one
 token short (``stops_short``), so that chunk (the question) attends the live and the parked keys together
 (``scores_jointly``), and the boundary one token before the prompt's end chooses among both (``chooses``).
 """

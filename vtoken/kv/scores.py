@@ -14,7 +14,7 @@ and folds it, query by query, into two per-slot statistics that the mover moves 
 
 Query j of a row's last n_q queries sits at physical position ``p_q = seq_len - n_q + j`` and attends to
 the row's keys at physical positions 0..p_q (causal, itself included); a decode step is the case n_q = 1.
-``vtoken/scores_reference.py`` computes the same numbers the plain way; the tests hold one to the other.
+``vtoken/kv/scores_reference.py`` computes the same numbers the plain way; the tests hold one to the other.
 
 One fast path for every row of the step at once, decode rows and prefill windows alike (no Python work per
 request, query or slot). During the forward each layer only hands over its observed queries (a step of decode
@@ -51,9 +51,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vtoken.kv_layout import LAYOUTS, Layout, TableLayout
-from vtoken.planner import to_global_slots
-from vtoken.policies import ATTN_HIST, ATTN_SUM
+from vtoken.core.planner import to_global_slots
+from vtoken.core.policies import ATTN_HIST, ATTN_SUM
+from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout
 
 _HIST_BITS = 64
 
@@ -90,8 +90,8 @@ class AttentionScorer:
     """Per-slot attention statistics over a paged KV cache (see the module docstring for the semantics).
 
     ``num_slots = num_blocks * block_size``; slot ``s`` is offset ``s % block_size`` of block
-    ``s // block_size``. ``layout`` names one of ``vtoken.kv_layout.LAYOUTS`` ("cpu": vLLM's CPU backend,
-    "flash": the CUDA FlashAttention view) or is a ``vtoken.kv_layout.TableLayout`` (vLLM's CPU backend with
+    ``s // block_size``. ``layout`` names one of ``vtoken.kv.kv_layout.LAYOUTS`` ("cpu": vLLM's CPU backend,
+    "flash": the CUDA FlashAttention view) or is a ``vtoken.kv.kv_layout.TableLayout`` (vLLM's CPU backend with
     AMX, bf16: K^T is then gathered element by element from its learned positions). Per step:
     ``reset_slots`` (slots written this step), then ``begin_step``, one ``observe`` per attention layer,
     ``end_step``; ``export`` whenever asked.

@@ -18,7 +18,7 @@ needed only when a compaction is planned or applied, never on the per-step path.
 Invariants (``check_integrity``):
   * live slots are distinct and lie in ``[0, physical_len)``;
   * a token comes back to life only through ``revive`` (a parked token restored from the second tier, see
-    vtoken/park.py); otherwise evicted entries stay -1;
+    vtoken/core/park.py); otherwise evicted entries stay -1;
   * ``block_live[b]`` counts the live tokens among logical positions ``[b * block_size, (b + 1) * block_size)``.
 """
 

@@ -1,7 +1,7 @@
 """H2O (Zhang et al., 2023): keep the heavy hitters, the tokens with the most accumulated attention."""
 
-from vtoken.policies.base import ATTN_SUM, EvictionPolicy, PolicyInput
-from vtoken.policies.registry import register
+from vtoken.core.policies.base import ATTN_SUM, EvictionPolicy, PolicyInput
+from vtoken.core.policies.registry import register
 
 
 @register("h2o")

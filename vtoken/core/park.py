@@ -1,6 +1,6 @@
 """Parking: tokens that a prefill chunk boundary drops leave vLLM's pool but are kept, for a while, in a second
 tier outside the KV budget (host memory; on a CPU machine a tensor of its own that the pool does not count).
-Scheduler side, plain NumPy; the worker's half is vtoken/tier.py.
+Scheduler side, plain NumPy; the worker's half is vtoken/kv/tier.py.
 
 Why: between prefill chunks a policy can only judge tokens by the attention of the text read so far, before the
 question at the end of a prompt is known. A fact that the question will ask for (a needle) is often dropped.

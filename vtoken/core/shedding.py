@@ -1,5 +1,5 @@
 """Pressure mode's shedding: how many tokens each request gives up so that the pool covers a shortfall of blocks
-with the fewest tokens evicted. Plain Python; the compactor (vtoken/compactor.py) asks it, the tests hold it to a
+with the fewest tokens evicted. Plain Python; the compactor (vtoken/core/compactor.py) asks it, the tests hold it to a
 brute force.
 
 A request that writes ``w`` tokens in its next forward on top of ``n`` physical tokens holds

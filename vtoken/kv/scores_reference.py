@@ -1,4 +1,4 @@
-"""The attention statistics of ``vtoken/scores.py``, computed the plain way (STYLE principle 7).
+"""The attention statistics of ``vtoken/kv/scores.py``, computed the plain way (STYLE principle 7).
 
 Written to be obviously right, not fast: float64, one request, one query and one head at a time, K read
 slot by slot through the block table. Three pieces, each usable alone:
@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vtoken.kv_layout import LAYOUTS, TableLayout
-from vtoken.planner import to_global_slots
-from vtoken.scores import ATTN_HIST, ATTN_SUM, uniform_share
+from vtoken.core.planner import to_global_slots
+from vtoken.kv.kv_layout import LAYOUTS, TableLayout
+from vtoken.kv.scores import ATTN_HIST, ATTN_SUM, uniform_share
 
 NEAR_TIE = "near_tie"  # bool per slot: a hist bit of this slot was decided within TIE_RTOL of the threshold
 TIE_RTOL = 1e-5  # ~100x the fp32 rounding of the fast path's shares, far below any real margin
@@ -69,7 +69,7 @@ def fold(
 
 
 class ReferenceScorer:
-    """``vtoken.scores.AttentionScorer``'s interface, computed with ``window_probs`` and ``fold``.
+    """``vtoken.kv.scores.AttentionScorer``'s interface, computed with ``window_probs`` and ``fold``.
 
     Extra state: ``near_tie`` (exported under ``NEAR_TIE``), so that tests can tell a rounding-level tie
     at the hist threshold from a real difference. Statistics are float64.

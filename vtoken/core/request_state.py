@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vtoken.budget import kept_tokens
-from vtoken.park import Parked
-from vtoken.phase import Phase
-from vtoken.policies import EvictionPolicy
-from vtoken.records import RequestRecord
-from vtoken.schedule import Schedule
-from vtoken.token_table import TokenTable
+from vtoken.core.budget import kept_tokens
+from vtoken.core.park import Parked
+from vtoken.core.phase import Phase
+from vtoken.core.policies import EvictionPolicy
+from vtoken.core.records import RequestRecord
+from vtoken.core.schedule import Schedule
+from vtoken.core.token_table import TokenTable
 
 
 @dataclass(eq=False)
@@ -30,13 +30,13 @@ class RequestState:
     prefill_len: int  # tokens to compute before the first new output token
     prefill_evict: bool
     window: int  # prefill observation window (queries)
-    schedule: Schedule = Schedule()  # when it may evict (vtoken/schedule.py)
-    phase: Phase = Phase.READING  # what it does at a decision point (vtoken/phase.py); changed by Compactor._to
+    schedule: Schedule = Schedule()  # when it may evict (vtoken/core/schedule.py)
+    phase: Phase = Phase.READING  # what it does at a decision point (vtoken/core/phase.py); changed by Compactor._to
     ballast: list = field(default_factory=list)  # naive mode: blocks held as Naive-Evict would
     stats: dict | None = None  # from the last forward that exported them, per physical slot
     known: dict | None = None  # pressure mode: the latest statistics per logical token (inf: never covered)
     window_scored_at: int = -1  # pressure mode: logical length when its decode window was last scored
-    parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/park.py)
+    parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/core/park.py)
     gap_sent: int = 0
     dirty: bool = False
     floor: float = 0.0  # pressure_floor: the share of its tokens admission keeps for it (0: always mode, or none)
@@ -52,6 +52,6 @@ class RequestState:
         return self.table.num_logical - self.table.physical_len
 
     def keep(self, num_logical: int) -> int:
-        """Live tokens the policy may leave at this length (vtoken/budget.py)."""
+        """Live tokens the policy may leave at this length (vtoken/core/budget.py)."""
         p = self.policy
         return kept_tokens(num_logical, p.budget, p.sink, p.recent)

@@ -13,13 +13,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vtoken.accounting import block_counts
-from vtoken.budget import kept_tokens
-from vtoken.packing import kill_and_pack
-from vtoken.policies import EvictionPolicy, PolicyInput
-from vtoken.records import request_seed
-from vtoken.schedule import Schedule
-from vtoken.token_table import TokenTable
+from vtoken.core.accounting import block_counts
+from vtoken.core.budget import kept_tokens
+from vtoken.core.packing import kill_and_pack
+from vtoken.core.policies import EvictionPolicy, PolicyInput
+from vtoken.core.records import request_seed
+from vtoken.core.schedule import Schedule
+from vtoken.core.token_table import TokenTable
 
 __all__ = ["ReplayResult", "replay", "request_seed"]
 

@@ -1,4 +1,4 @@
-"""KVTier: the worker's half of parking (vtoken/park.py): the parked tokens' K and V outside vLLM's pool, in host
+"""KVTier: the worker's half of parking (vtoken/core/park.py): the parked tokens' K and V outside vLLM's pool, in host
 memory, their per-slot statistics, and the prompt's last chunk attending live and parked keys together. No vLLM.
 
 Storage is token-major whatever the pool's layout: per layer ``[capacity, kv_heads, 2 * head_size]`` (K then V),
@@ -7,7 +7,7 @@ memory (pinned when the pool is on a GPU). A token is copied between the pool an
 layout's element positions (``TableLayout.positions``; a view layout is turned into its table), so every layout
 vToken moves, it parks.
 
-Order within a step (vtoken/worker_step.py): ``fetch`` the restored tokens out of the tier, ``park`` (pool -> tier),
+Order within a step (vtoken/kv/worker_step.py): ``fetch`` the restored tokens out of the tier, ``park`` (pool -> tier),
 the step's compaction moves, then ``restore`` (the fetched tokens -> pool). Parked tokens leave slots the packing
 then fills, restored tokens land in slots the packing emptied, and a tier slot one request leaves may be taken by
 another's parking in the same step: reading every source first and writing every destination after keeps each byte
@@ -20,7 +20,7 @@ query of the chunk attends its live keys (causal) and all its parked keys (all e
 and head: the layer's output rows of that chunk are rewritten with it (``joint_attention``; the parked keys stream
 in slices, from host memory on a GPU), so the next layer, the chunk's own K and V above the first layer, and the
 first answer token see the whole prompt. Its last ``n_q`` queries (the window) give the same two statistics as
-vtoken/scores.py (``attn_sum``: the weights summed over layers, heads and queries; ``attn_hist``: one bit per
+vtoken/kv/scores.py (``attn_sum``: the weights summed over layers, heads and queries; ``attn_hist``: one bit per
 query, share above uniform), from this window alone. They replace the live slots' statistics and fill the parked
 ones, so the choice among live and parked tokens, and decoding after it, start from the question's attention.
 """
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vtoken.kv_layout import LAYOUTS, Layout, TableLayout, table_of
-from vtoken.move_batch import MoveBatch
-from vtoken.planner import to_global_slots
-from vtoken.policies import ATTN_HIST, ATTN_SUM
-from vtoken.scores import uniform_share
+from vtoken.core.move_batch import MoveBatch
+from vtoken.core.planner import to_global_slots
+from vtoken.core.policies import ATTN_HIST, ATTN_SUM
+from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout, table_of
+from vtoken.kv.scores import uniform_share
 
 
 class KVTier:

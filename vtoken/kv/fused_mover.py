@@ -8,7 +8,7 @@ Per step, on a side CUDA stream that first waits for the compute stream (the for
     launch over layer group 1 (layers 1-2)                     -> record events[2]
     ...                                 (groups of 1, 2, 4, ... layers)
 
-so a step issues 1 + log2(layers) launches whatever its batch, layers or tokens (``vtoken/move_kernel.py``),
+so a step issues 1 + log2(layers) launches whatever its batch, layers or tokens (``vtoken/kv/move_kernel.py``),
 and a layer's attention waits only for its own group's event (``vtoken/vllm_adapter/move_waits.py``): layer
 0 waits for one layer's moves, and each later group, no larger than all the layers before it, moves while
 their forward runs. The CPU never waits.
@@ -37,11 +37,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vtoken import move_kernel
-from vtoken.kv_layout import LAYOUTS
-from vtoken.move_batch import MoveBatch
-from vtoken.move_kernel import WORDS, Launch
-from vtoken.mover import Mover, graph_safe_events
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv import move_kernel
+from vtoken.kv.kv_layout import LAYOUTS
+from vtoken.kv.move_kernel import WORDS, Launch
+from vtoken.kv.mover import Mover, graph_safe_events
 
 
 def group_sizes(num_layers: int) -> list[int]:

@@ -1,9 +1,9 @@
 """EvictionPolicy: the shared mechanics of every token-eviction policy.
 
 A policy only DECIDES which logical tokens die; it never touches memory (the TokenTable, the compaction
-planner and the mover do), and it never decides WHEN (vtoken/schedule.py does: ``select`` is asked only at a
+planner and the mover do), and it never decides WHEN (vtoken/core/schedule.py does: ``select`` is asked only at a
 decision point). Subclasses implement one method, ``score``: higher means keep. The base class does the rest: how
-many tokens to keep (``budget``, an absolute count or a ratio of the context, vtoken/budget.py), which tokens are
+many tokens to keep (``budget``, an absolute count or a ratio of the context, vtoken/core/budget.py), which tokens are
 never candidates (the first ``sink`` tokens, the last ``recent`` tokens, and tokens the engine marks protected,
 e.g. in shared prefix blocks), and the top-k selection. ``interval`` and ``score_every`` are timing parameters
 carried here because users set them with the policy; only ``Schedule`` reads them. Decisions are a pure function
@@ -19,13 +19,13 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from vtoken.budget import target_tokens
+from vtoken.core.budget import target_tokens
 
 # Names of the per-token statistics an engine can provide (aligned with PolicyInput.live).
 ATTN_SUM = "attn_sum"  # float: attention weight the token received, summed over heads, layers, steps
 ATTN_HIST = "attn_hist"  # int64 bit register: bit j set if, j observed queries ago, the token's share of that
 # query's attention exceeded the uniform share 1 / (keys the query attends to) (bit 0 = the latest query; a
-# decode step is one query, a prefill chunk's observation window several; see vtoken/scores.py)
+# decode step is one query, a prefill chunk's observation window several; see vtoken/kv/scores.py)
 
 
 class PolicyInput(NamedTuple):
@@ -102,7 +102,7 @@ class EvictionPolicy(ABC):
 
     def select(self, inp: PolicyInput, keep: int | None = None) -> np.ndarray:
         """Logical positions to evict now (int64, ascending) so that ``keep`` live tokens stay (default: the
-        budget's target); empty when nothing needs to go. Called only at a decision point (vtoken/schedule.py)."""
+        budget's target); empty when nothing needs to go. Called only at a decision point (vtoken/core/schedule.py)."""
         excess = len(inp.live) - (self.target(inp.num_logical) if keep is None else keep)
         if excess <= 0:
             return np.empty(0, dtype=np.int64)

@@ -7,11 +7,11 @@
                                                                        read) | decoding | keeping (pressure mode)
 
 A request starts ``keeping`` in pressure mode (``evict: "pressure"``) and stays so (but for its choice with the
-question), else ``reading``. What each phase does at a decision point (vtoken/compactor.py ``plan_step``; when a
-decision point comes is vtoken/schedule.py's business):
+question), else ``reading``. What each phase does at a decision point (vtoken/core/compactor.py ``plan_step``; when a
+decision point comes is vtoken/core/schedule.py's business):
 
     keeping   keeps every token until the pool runs short; then gives back what the shortfall needs, never below
-              its budget (vtoken/shedding.py), parking what it sheds while it reads its prompt
+              its budget (vtoken/core/shedding.py), parking what it sheds while it reads its prompt
     reading   evict to the budget at chunk boundaries; with a parking tier the victims are parked
     choosing  choose among live and parked tokens by the last chunk's window (the question); parked winners return
     decoding  evict to the budget at decode steps

@@ -13,7 +13,7 @@ Per decode step each recorded request's query is written in place into its row's
 step's rows and slots, ``record`` runs inside every attention layer's hook): an index_put into a buffer allocated
 once, at a fixed address, so it runs under CUDA graphs like the movers' buffers and allocates nothing per step.
 At a decision (``score``) the row's queries are scored over its live keys: softmax per query head over the keys at
-or before the query's position, summed over the window, the heads and the layers: ``attn_sum`` as vtoken/scores.py
+or before the query's position, summed over the window, the heads and the layers: ``attn_sum`` as vtoken/kv/scores.py
 defines it, from this window alone. The window then starts afresh (``clear``): the decision moves the request's
 tokens, and the positions of queries written before it would no longer match their keys. Between two decisions the
 request loses no token, so each query is scored over exactly the keys it attended when it ran. The runner also
@@ -21,7 +21,7 @@ clears a request's window whenever its tokens move (a shed in pressure mode may 
 
 Pressure mode (``evict: "pressure"``): a request that keeps every token records its queries only while the pool
 may run short within a window's steps, and its window is scored only when it may run short at the next step
-(vtoken/compactor.py ``foresee``), so that the shed judges its tokens by recent queries; while memory is plentiful
+(vtoken/core/compactor.py ``foresee``), so that the shed judges its tokens by recent queries; while memory is plentiful
 the window costs nothing.
 
 Cost. Memory: rows x layers x W x heads x head_size elements, rows = the engine's largest batch. Llama-3.1-8B (32
@@ -38,8 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vtoken.kv_layout import LAYOUTS, Layout, TableLayout, table_of
-from vtoken.planner import to_global_slots
+from vtoken.core.planner import to_global_slots
+from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout, table_of
 
 DECODE_WINDOW = 16  # queries kept per request (VTokenConfig.decode_window)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vtoken.token_table import TokenTable
+from vtoken.core.token_table import TokenTable
 
 
 def naive_retained_blocks(live_mask: np.ndarray, block_size: int) -> int:

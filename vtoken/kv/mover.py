@@ -5,7 +5,7 @@ The scheduler may hand a block freed by request A to request B in the same step;
 copied one move at a time, a later move could read a slot that an earlier one already overwrote. Reading
 every source before writing any destination makes the result independent of move order.
 
-Slots are global: ``slot = block_id * block_size + offset``. A layout (``vtoken/kv_layout.py``) turns one layer's
+Slots are global: ``slot = block_id * block_size + offset``. A layout (``vtoken/kv/kv_layout.py``) turns one layer's
 cache tensor into views indexed ``[block, offset, ...]``, or, for a layout no view describes (vLLM's AMX kernel packs
 bf16 K and V in VNNI pairs), into each token's element positions.
 
@@ -13,10 +13,10 @@ bf16 K and V in VNNI pairs), into each token's element positions.
 
     CpuMover        one vectorised gather and scatter per view, on the calling thread (done when ``apply`` returns)
     CudaMover       the same on a side CUDA stream; the forward's stream waits on an event
-    FusedMover      (vtoken/fused_mover.py) one Triton launch per group of layers, an event per group
+    FusedMover      (vtoken/kv/fused_mover.py) one Triton launch per group of layers, an event per group
     ReferenceMover  a plain per-move copy, the reference the others are tested against
 
-``vtoken/mover_factory.py`` picks one for a device.
+``vtoken/kv/mover_factory.py`` picks one for a device.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vtoken.kv_layout import Layout, split, views
-from vtoken.move_batch import MoveBatch
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.kv_layout import Layout, split, views
 
 
 class Mover:
@@ -109,7 +109,7 @@ class CudaMover(CpuMover):
     """Runs the moves on a side CUDA stream after the forward; the next forward waits on ``event``.
 
     The unfused mover: two indexing kernels and their temporaries per view and layer, and one host wait per
-    step for its pinned buffers. ``make_mover`` picks ``vtoken.fused_mover.FusedMover`` where it can; this one
+    step for its pinned buffers. ``make_mover`` picks ``vtoken.kv.fused_mover.FusedMover`` where it can; this one
     stays for other layouts and as the benchmark's "today" line.
 
     The side stream first waits for the compute stream (the forward that wrote this step's KV), so it never

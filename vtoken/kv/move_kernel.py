@@ -20,7 +20,7 @@ One launch covers every pool of a group (grid: move tiles x pools) and runs one 
 The caller orders each batch so that a "direct" move writes a slot no move reads; then phase 0 reads every
 source before any write could clobber it, whatever order its programs run in, and phase 1 (a second
 launch, stream-ordered after the first) writes the slots that other moves read. A batch with no such slot
-needs one launch per group. ``Launch`` turns a group's tensors into the pool table; ``vtoken/fused_mover.py``
+needs one launch per group. ``Launch`` turns a group's tensors into the pool table; ``vtoken/kv/fused_mover.py``
 owns the ordering, the buffers and the streams.
 
 The kernel is built twice from one Python function: ``triton.jit`` for CUDA tensors and Triton's

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.policies.base import ATTN_HIST, EvictionPolicy, PolicyInput
-from vtoken.policies.registry import register
+from vtoken.core.policies.base import ATTN_HIST, EvictionPolicy, PolicyInput
+from vtoken.core.policies.registry import register
 
 
 @register("scissorhands")

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from vtoken.policies.base import ATTN_SUM, EvictionPolicy, PolicyInput
-from vtoken.policies.registry import register
+from vtoken.core.policies.base import ATTN_SUM, EvictionPolicy, PolicyInput
+from vtoken.core.policies.registry import register
 
 
 @register("snapkv")

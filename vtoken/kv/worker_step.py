@@ -7,7 +7,7 @@ No vLLM; the runner (vtoken/vllm_adapter/model_runner.py) and the tests call the
     4. restore  the fetched tokens -> pool slots                       (slots that 3. emptied: after its moves)
 
 Why this order: the scheduler plans a step's parking, packing and restoring against the slots as they stand
-before the step (vtoken/compactor.py), so every source must be read before any destination is written. A parked
+before the step (vtoken/core/compactor.py), so every source must be read before any destination is written. A parked
 token leaves a hole the packing then fills; a restored token lands in a slot the packing emptied; and a tier slot
 one request leaves may be taken by another request's parking in the same step.
 """
@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from vtoken.move_batch import MoveBatch
-from vtoken.mover import Mover
+from vtoken.core.move_batch import MoveBatch
+from vtoken.kv.mover import Mover
 
 
 class StepCost(NamedTuple):
@@ -39,7 +39,7 @@ def apply_kv_step(
     restore: MoveBatch,
 ) -> StepCost:
     """Apply one step's parking, moves and restoring to ``kv_caches`` and the per-slot ``extra`` tensors, in the
-    order above. ``tier``: a ``vtoken.tier.KVTier``, or None without parking (``park`` and ``restore`` are then
+    order above. ``tier``: a ``vtoken.kv.tier.KVTier``, or None without parking (``park`` and ``restore`` are then
     empty). On CUDA the moves may still run on the mover's stream when this returns; the caller orders the
     forward after them (``Mover.wait`` / ``wait_unhooked``)."""
     fetched = None
