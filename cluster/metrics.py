@@ -18,17 +18,16 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# vLLM's own buckets, imported (not copied): dashboards built for vLLM read ours alike, and the two never drift.
+from vllm.v1.metrics.buckets import INTER_TOKEN_LATENCY_BUCKETS as ITL_BUCKETS
+from vllm.v1.metrics.buckets import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS
+from vllm.v1.metrics.buckets import TIME_TO_FIRST_TOKEN_BUCKETS as TTFT_BUCKETS
+
 from actors.engines import Chunk
 from cluster.snapshot import ClusterSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# vLLM's own buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read ours alike.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
 LABELS = ("model_name", "replica")
 
 
