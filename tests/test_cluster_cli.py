@@ -112,7 +112,7 @@ def test_an_unset_auth_token_variable_fails_before_ray_starts(tmp_path):
     "over, needles",
     [
         ({"model": "no-such-model", "engine": {"kind": "vllm"}}, ("model:", "'no-such-model'", "tiny-llama")),
-        ({"vtoken": {"mode": "vtoken", "budget": float("inf")}}, ("vtoken.core.budget", "finite")),
+        ({"vtoken": {"mode": "vtoken", "budget": float("inf")}}, ("vtoken.budget", "finite")),
     ],
 )
 def test_config_errors_fail_at_once_in_one_line(tmp_path, over, needles):

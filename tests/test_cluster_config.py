@@ -58,8 +58,8 @@ def test_remote_bind_with_explicit_opt_out_or_tls():
 @pytest.mark.parametrize(
     "raw, needle",
     [
-        ({"model": "tiny-llama", "vtoken": {"budget": float("inf")}}, "vtoken.core.budget: must be a finite number"),
-        ({"model": "tiny-llama", "vtoken": {"budget": float("nan")}}, "vtoken.core.budget: must be a finite number"),
+        ({"model": "tiny-llama", "vtoken": {"budget": float("inf")}}, "vtoken.budget: must be a finite number"),
+        ({"model": "tiny-llama", "vtoken": {"budget": float("nan")}}, "vtoken.budget: must be a finite number"),
         ({"model": "tiny-llama", "vtoken": {"policy": "lru"}}, "vtoken.policy: unknown eviction policy"),
         ({"model": "no-such-model"}, "model: 'no-such-model' is neither a model folder nor a known model; known: "),
         ({"model": "tiny-llama", "replicas": 0}, "replicas: "),
@@ -74,7 +74,7 @@ def test_config_errors_are_one_line_that_names_the_field(raw, needle):
 def test_yaml_infinity_in_the_vtoken_section_is_a_config_error(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("model: tiny-llama\nvtoken: {mode: vtoken, budget: .inf}\n")
-    with pytest.raises(ConfigError, match="vtoken.core.budget: must be a finite number, got inf"):
+    with pytest.raises(ConfigError, match="vtoken.budget: must be a finite number, got inf"):
         load_config(path)
 
 
