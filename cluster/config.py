@@ -270,11 +270,7 @@ class ServeConfig(_Strict):
         try:
             return VTokenConfig(**v).model_dump()
         except ValidationError as e:  # VTokenConfig's own messages, one line, with the vtoken.* field named
-            raise ValueError(
-                "; ".join(
-                    ".".join(["vtoken", *map(str, err["loc"])]) + ": " + _reason(err["msg"]) for err in e.errors()
-                )
-            ) from None
+            raise ValueError("; ".join(_vtoken_error(err) for err in e.errors())) from None
         except Exception as e:  # whatever VTokenConfig or a policy raises (OverflowError, TypeError, ...)
             raise ValueError(f"vtoken: {type(e).__name__}: {e}") from None
 
@@ -302,6 +298,18 @@ class ServeConfig(_Strict):
         from vtoken.models import model_path
 
         return str(model_path(self.model))
+
+
+def _vtoken_error(err: dict[str, Any]) -> str:
+    """``vtoken.<field>: reason``: the field pydantic located, or the one a whole-config check names first
+    (``policy_params.history: must be a whole number``)."""
+    from vtoken.config import VTokenConfig
+
+    reason = _reason(err["msg"])
+    head, _, rest = reason.partition(": ")
+    if not err["loc"] and head.split(".")[0] in VTokenConfig.model_fields and rest:
+        return f"vtoken.{head}: {rest}"
+    return ".".join(["vtoken", *map(str, err["loc"])]) + ": " + reason
 
 
 class ConfigError(ValueError):

@@ -350,19 +350,25 @@ def vtoken_options(options: Any, served: dict[str, Any]) -> Eviction:
         extra = request_args(**options)
         effective = cfg.for_request(options)
     except ValidationError as e:
-        errs = e.errors()
-        where = [".".join(["vtoken", *map(str, err["loc"])]) for err in errs]
-        raise BadRequest(
-            "; ".join(f"{w}: {err['msg'].removeprefix('Value error, ')}" for w, err in zip(where, errs)), where[0]
-        ) from None
+        named = [_option_error(".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, ")) for err in
+                 e.errors()]  # fmt: skip
+        raise BadRequest("; ".join(f"{w}: {m}" for w, m in named), named[0][0]) from None
     except (ValueError, TypeError, OverflowError) as e:  # the policy's own checks, its parameters; option pairs
-        line = str(e).splitlines()[0]
-        key, _, rest = line.partition(": ")
-        if key in REQUEST_KEYS and rest:  # "pressure_floor: ...": the option named first
-            raise BadRequest(f"vtoken.{key}: {rest}", f"vtoken.{key}") from None
-        field = "vtoken.policy" if "policy" in line else "vtoken"
-        raise BadRequest(f"{field}: {line}", field) from None
+        where, msg = _option_error("", str(e).splitlines()[0])
+        raise BadRequest(f"{where}: {msg}", where) from None
     return Eviction(extra, effective)
+
+
+def _option_error(loc: str, msg: str) -> tuple[str, str]:
+    """(the ``vtoken.*`` field at fault, the reason) of an option error: pydantic's ``loc`` where it has one, else
+    the option a message starts with (``policy_params.history: must be a whole number``, ``pressure_floor: ...``)."""
+    if not loc:
+        head, _, rest = msg.partition(": ")
+        if head.split(".")[0] in REQUEST_KEYS and rest:
+            loc, msg = head, rest
+        elif "policy" in msg:
+            loc = "policy"
+    return ("vtoken." + loc if loc else "vtoken"), msg
 
 
 class ValidRequest(BaseModel):

@@ -79,13 +79,25 @@ def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent
     [
         ({"mode": "vtoken", "policy": "streaming"}, {"policy": "h2o"}, "vtoken.policy: policy 'h2o' needs attention"),
         ({"mode": "vtoken"}, {"budgett": 0.5}, "vtoken.budgett: not a per-request option"),
-        ({"mode": "vtoken"}, {"budget": float("nan")}, "vtoken.core.budget: must be a finite number"),
-        ({"mode": "vtoken"}, {"budget": "lots"}, "vtoken.core.budget:"),
+        ({"mode": "vtoken"}, {"budget": float("nan")}, "vtoken.budget: must be a finite number"),
+        ({"mode": "vtoken"}, {"budget": "lots"}, "vtoken.budget:"),
         ({"mode": "vtoken"}, {"policy": "random", "policy_params": {"history": 3}}, "no parameter"),
         ({"mode": "off"}, {"policy": "random"}, "eviction off"),
         ({"mode": "vtoken"}, ["h2o"], "expected an object"),
         ({"mode": "vtoken"}, {"pressure_floor": 1.5}, "vtoken.pressure_floor:"),
         ({"mode": "vtoken"}, {"evict": "always", "pressure_floor": 0.5}, "vtoken.pressure_floor: a floor is kept in"),
+        # The request that took an engine down (issue 46): a policy parameter of the wrong type reached the scheduler.
+        (
+            {"mode": "vtoken"},
+            {"policy": "scissorhands", "evict": "always", "policy_params": {"history": "a"}},
+            "vtoken.policy_params.history: must be a whole number, got str 'a'",
+        ),
+        ({"mode": "vtoken"}, {"policy_params": {"before": "x"}}, "vtoken.policy_params.before: must be a whole number"),
+        ({"mode": "vtoken"}, {"policy_params": {"before": 10**9}}, "vtoken.policy_params.before: must be >= 0 and"),
+        ({"mode": "vtoken"}, {"policy": "h2o", "policy_params": {"recent": [1]}}, "vtoken.policy_params.recent: set"),
+        ({"mode": "vtoken"}, {"policy": "scissorhands", "policy_params": {"history": 0}}, "policy_params.history"),
+        ({"mode": "vtoken"}, {"policy": "h2o", "policy_params": {"score_every": 1.5}}, "policy_params.score_every"),
+        ({"mode": "vtoken"}, {"policy": "random", "seed": -1}, "vtoken.seed:"),
     ],
 )
 def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, options, needle):
@@ -94,6 +106,7 @@ def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, opt
     with pytest.raises(BadRequest) as e:
         vtoken_options(options, served)
     assert needle in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(e.value.param + ":"), "the 400's param names the field its message starts with"
 
 
 def test_accepted_eviction_options_become_request_args_and_bound_the_block_estimate():

@@ -103,7 +103,7 @@ def test_bad_parameters_raise_clear_errors(kwargs, match):
 
 def test_score_every_is_for_attention_policies_only():
     assert make_policy("scissorhands", score_every=4).score_every == 4
-    with pytest.raises(ValueError, match="score_every applies only to per-step attention policies"):
+    with pytest.raises(ValueError, match="score_every: applies only to per-step attention policies"):
         make_policy("streaming", score_every=2)
 
 
@@ -125,3 +125,59 @@ def test_the_line_counter_skips_docstrings_comments_and_blank_lines():
 
 def test_policy_params_lists_defaults():
     assert policy_params("scissorhands")["history"] == 32
+
+
+# ------------------------------------------------------------------ declared parameters (issue 46)
+JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_parameter_declares_its_type_and_range(name):
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(POLICIES[name])
+    for f in dataclasses.fields(POLICIES[name]):
+        assert hints[f.name] in (int, float), f"{name}.{f.name}: declare int or float"
+        assert {"ge", "gt", "le"} <= set(f.metadata), f"{name}.{f.name}: declare its range with param(...)"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(data=st.data())
+def test_any_parameter_value_makes_a_working_policy_or_a_named_error(name, data):
+    """What a request's policy_params may carry (JSON values, at and beyond their edges): either the policy is
+    made and decides without raising, or the error names the parameter. A wrong type that passed here once
+    raised a TypeError inside the engine's scheduler and stopped it for every request."""
+    import dataclasses
+
+    from vtoken.core.policies import PolicyParamError
+
+    names = [f.name for f in dataclasses.fields(POLICIES[name])]
+    params = data.draw(st.dictionaries(st.sampled_from(names), JSON_VALUES, max_size=3))
+    try:
+        policy = make_policy(name, **params)
+    except PolicyParamError as e:
+        assert e.param in params and str(e).startswith(f"{name}: {e.param}: ")
+        return
+    x = inp(data.draw(st.integers(1, 200)), seed=data.draw(st.integers(0, 99)))
+    kill = policy.select(x)
+    assert np.isin(kill, x.live).all()
+
+
+def test_a_wrong_type_is_refused_naming_the_parameter():
+    from vtoken.core.policies import PolicyParamError
+
+    with pytest.raises(PolicyParamError, match="scissorhands: history: must be a whole number, got str 'a'"):
+        make_policy("scissorhands", history="a")
+    with pytest.raises(PolicyParamError, match=r"snapkv: before: must be >= 0 and <= 4096, got 100000"):
+        make_policy("snapkv", before=100_000)
+    with pytest.raises(PolicyParamError, match="random: seed: must be >= 0"):
+        make_policy("random", seed=-1)

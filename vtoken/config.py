@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vtoken.core.policies import EvictionPolicy, make_policy
+from vtoken.core.policies import EvictionPolicy, PolicyParamError, make_policy
 
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "vtoken"
@@ -51,9 +51,11 @@ class VTokenConfig(BaseModel):
     )
     sink: int = Field(4, ge=0, description="first tokens never evicted (attention sinks)")
     recent: int = Field(16, ge=0, description="most recent tokens never evicted")
-    seed: int = Field(0, description="seed for randomised policies")
+    seed: int = Field(0, ge=0, le=2**64 - 1, description="seed for randomised policies")
     policy_params: dict[str, Any] = Field(
-        default_factory=dict, description="extra policy parameters, e.g. {'history': 32}"
+        default_factory=dict,
+        description="the policy's own parameters, each of its declared type and range, e.g. scissorhands' "
+        "{'history': 32} (1-64), snapkv's {'before': 12, 'after': 2} (0-4096), h2o's {'score_every': 4}",
     )
     prefill_evict: bool = Field(
         True,
@@ -175,15 +177,24 @@ class VTokenConfig(BaseModel):
         return v
 
     def make_policy(self) -> EvictionPolicy:
-        return make_policy(
-            self.policy,
-            budget=self.budget,
-            interval=0 if self.interval == "block" else self.interval,
-            sink=self.sink,
-            recent=self.recent,
-            seed=self.seed,
-            **self.policy_params,
-        )
+        """The policy these options make; a ValueError whose message starts with the option at fault
+        (``policy_params.history: must be a whole number, got str 'a'``)."""
+        own = {"budget", "interval", "sink", "recent", "seed"}
+        for key in sorted(own & set(self.policy_params)):
+            raise ValueError(f"policy_params.{key}: set {key} itself, not inside policy_params")
+        try:
+            return make_policy(
+                self.policy,
+                budget=self.budget,
+                interval=0 if self.interval == "block" else self.interval,
+                sink=self.sink,
+                recent=self.recent,
+                seed=self.seed,
+                **self.policy_params,
+            )
+        except PolicyParamError as e:
+            where = e.param if e.param in own else f"policy_params.{e.param}"
+            raise ValueError(f"{where}: {e.reason}") from None
 
     def for_request(self, overrides: dict[str, Any] | None) -> VTokenConfig:
         """This config with one request's choices applied (see ``request_args``); raises ValueError."""

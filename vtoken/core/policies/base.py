@@ -13,9 +13,12 @@ same input.
 
 from __future__ import annotations
 
+import functools
+import math
+import typing
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -26,6 +29,42 @@ ATTN_SUM = "attn_sum"  # float: attention weight the token received, summed over
 ATTN_HIST = "attn_hist"  # int64 bit register: bit j set if, j observed queries ago, the token's share of that
 # query's attention exceeded the uniform share 1 / (keys the query attends to) (bit 0 = the latest query; a
 # decode step is one query, a prefill chunk's observation window several; see vtoken/kv/scores.py)
+
+
+class PolicyParamError(ValueError):
+    """A policy parameter of the wrong type or out of its range; ``param`` names it, ``reason`` says why."""
+
+    def __init__(self, policy: str, param: str, reason: str):
+        super().__init__(f"{policy}: {param}: {reason}")
+        self.policy, self.param, self.reason = policy, param, reason
+
+
+def param(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A policy parameter with its range: ``history: int = param(32, ge=1, le=64)``. Its type is its annotation
+    (``int``: a whole number, never a bool; ``float``: any finite number). Every policy checks its values
+    against both when it is made (``EvictionPolicy.__post_init__``), so a request's wrong ``policy_params`` is a
+    clear error at the door, never an exception inside the engine's scheduler."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le})
+
+
+@functools.cache
+def _types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_param(policy: str, name: str, value: Any, kind: Any, bounds: dict[str, float | None]) -> None:
+    """Raise PolicyParamError unless ``value`` is a ``kind`` (int or float) within ``bounds`` (ge, gt, le)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        want = "a whole number" if kind is int else "a number"
+        raise PolicyParamError(policy, name, f"must be {want}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise PolicyParamError(policy, name, f"must be a finite number, got {value}")
+    lo, lo_open, hi = bounds.get("ge"), bounds.get("gt"), bounds.get("le")
+    if (lo is not None and value < lo) or (lo_open is not None and value <= lo_open) or (hi is not None and value > hi):
+        rng = " and ".join(
+            f"{op} {b}" for op, b in ((">=", lo), (">", lo_open), ("<=", hi)) if b is not None
+        )  # fmt: skip
+        raise PolicyParamError(policy, name, f"must be {rng}, got {value}")
 
 
 class PolicyInput(NamedTuple):
@@ -43,17 +82,17 @@ class PolicyInput(NamedTuple):
 class EvictionPolicy(ABC):
     """Base class. ``budget`` < 1 is a ratio of the context; >= 1 an absolute number of tokens."""
 
-    budget: float = 0.5
+    budget: float = param(0.5, gt=0)
     # Timing (Schedule): a decoding request decides once it holds ``interval`` tokens more than it keeps (1: at
     # every decode step; 0: one KV block, the engine's default, so decisions and compactions come in batches).
-    interval: int = 1
-    sink: int = 4
-    recent: int = 16
-    seed: int = 0
+    interval: int = param(1, ge=0)
+    sink: int = param(4, ge=0)
+    recent: int = param(16, ge=0)
+    seed: int = param(0, ge=0, le=2**64 - 1)  # NumPy's generators take seeds of 0 to 2**64 - 1
     # Per-step attention policies only, opt-in: observe one decode step in ``score_every`` (the engine then
     # exports statistics, and the policy evicts, only after an observed step). 1 = every step, exact H2O /
     # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in the README's Output quality section.
-    score_every: int = 1
+    score_every: int = param(1, ge=1)
     needs: ClassVar[tuple[str, ...]] = ()  # statistics the engine must collect for this policy
     # The decode statistics come from the window of the request's recent queries, scored once just before a
     # decision (SnapKV's observation window); False: every decode step's attention, accumulated (H2O's definition).
@@ -61,23 +100,16 @@ class EvictionPolicy(ABC):
     name: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        if not (self.budget > 0) or not np.isfinite(self.budget):
-            raise ValueError(
-                f"{self.name}: budget must be a finite number > 0 (a ratio < 1 or a token count), got {self.budget}"
-            )
+        types = _types(type(self))
+        for f in fields(self):
+            check_param(self.name, f.name, getattr(self, f.name), types[f.name], f.metadata)
         if self.budget >= 1 and float(self.budget) != int(self.budget):
-            raise ValueError(f"{self.name}: a budget >= 1 is a token count and must be whole, got {self.budget}")
-        if self.interval < 0:
-            raise ValueError(f"{self.name}: interval must be >= 0 (0: one KV block), got {self.interval}")
-        if self.score_every < 1:
-            raise ValueError(f"{self.name}: score_every must be >= 1, got {self.score_every}")
+            raise PolicyParamError(self.name, "budget", f"a budget >= 1 is a token count and must be whole, got "
+                                   f"{self.budget}")  # fmt: skip
         if self.score_every != 1 and (not self.needs or self.window_scores):
-            raise ValueError(
-                f"{self.name}: score_every applies only to per-step attention policies (h2o, scissorhands)"
+            raise PolicyParamError(
+                self.name, "score_every", "applies only to per-step attention policies (h2o, scissorhands)"
             )
-        for attr in ("sink", "recent"):
-            if getattr(self, attr) < 0:
-                raise ValueError(f"{self.name}: {attr} must be >= 0, got {getattr(self, attr)}")
 
     def target(self, num_logical: int) -> int:
         """Live tokens to keep for a context of ``num_logical`` tokens."""

@@ -37,9 +37,12 @@ def get_policy_class(name: str) -> type:
 
 
 def make_policy(name: str, **params: Any):
+    """The policy ``name`` with ``params``; PolicyParamError names an unknown parameter, or one of the wrong type
+    or out of its declared range (``base.param``)."""
+    from vtoken.core.policies.base import PolicyParamError
+
     cls = get_policy_class(name)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(params) - known
-    if unknown:
-        raise ValueError(f"policy {name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(known)}")
+    for unknown in sorted(set(params) - known):
+        raise PolicyParamError(name, unknown, f"policy {name!r} has no parameter {unknown!r}; it takes {sorted(known)}")
     return cls(**params)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.core.policies.base import ATTN_HIST, EvictionPolicy, PolicyInput
+from vtoken.core.policies.base import ATTN_HIST, EvictionPolicy, PolicyInput, param
 from vtoken.core.policies.registry import register
 
 
@@ -12,9 +12,10 @@ from vtoken.core.policies.registry import register
 @dataclass(frozen=True)
 class Scissorhands(EvictionPolicy):
     """Score = in how many of the last ``history`` decode steps the token was important (attention above
-    the uniform share). Tokens that were pivotal before tend to stay pivotal, so the least persistent go."""
+    the uniform share). Tokens that were pivotal before tend to stay pivotal, so the least persistent go. The
+    register holds 64 steps (ATTN_HIST), so ``history`` is 1 to 64."""
 
-    history: int = 32
+    history: int = param(32, ge=1, le=64)
     needs = (ATTN_HIST,)
 
     def score(self, inp: PolicyInput):

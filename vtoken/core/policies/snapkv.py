@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from vtoken.core.policies.base import ATTN_SUM, EvictionPolicy, PolicyInput
+from vtoken.core.policies.base import ATTN_SUM, EvictionPolicy, PolicyInput, param
 from vtoken.core.policies.registry import register
 
 
@@ -13,12 +13,12 @@ class SnapKV(EvictionPolicy):
     pools symmetrically; a question attends to a fact's key and its value follows the key, so the window looks
     further back (README: Keeping the needle)."""
 
-    before: int = 12
-    after: int = 2
+    before: int = param(12, ge=0, le=4096)
+    after: int = param(2, ge=0, le=4096)
     needs = (ATTN_SUM,)
     window_scores = True  # while decoding: the window of recent queries, scored once before a decision
 
     def score(self, inp: PolicyInput):
-        x, b, a = np.asarray(inp.stats[ATTN_SUM], dtype=np.float64), max(self.before, 0), max(self.after, 0)
+        x, b, a = np.asarray(inp.stats[ATTN_SUM], dtype=np.float64), self.before, self.after
         padded = np.pad(x, (b, a), constant_values=-np.inf)
         return np.lib.stride_tricks.sliding_window_view(padded, b + a + 1).max(axis=-1)
