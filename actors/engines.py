@@ -80,6 +80,11 @@ def one_line(message: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# What the client hears of a request the engine ended with finish reason "error" (vLLM's server: a 500).
+ENDED_WITH_ERROR = (
+    "the engine could not serve this request (vToken failed while deciding for it; the replica's log says why); "
+    "other requests were not affected"
+)
 # What vLLM's AsyncLLM yields last for a request aborted by ``AsyncLLM.abort`` (the fake does the same).
 ABORTED = Chunk(finished=True, finish_reason="abort")
 
@@ -283,6 +288,10 @@ class VLLMEngine(Engine):
             async for out in self.llm.generate(prompt, params, spec.request_id):
                 started = True
                 c = out.outputs[0]
+                if c.finish_reason == "error":  # the engine ended this request alone (vToken could not decide
+                    # for it; the replica's log has why): an error for this client, and the engine serves on
+                    yield Chunk.failed("internal", ENDED_WITH_ERROR)
+                    return
                 lps = _logprobs(c.token_ids, c.logprobs, params.logprobs) if params.logprobs is not None else ()
                 yield Chunk(c.text, tuple(c.token_ids), out.finished, c.finish_reason or "", logprobs=lps)
                 if out.finished:

@@ -150,16 +150,26 @@ class KVSim:
         kills: dict[str, tuple[int, int]] | None = None,
         waiting: list[int] = (),
         watermark: int = 0,
+        failures: dict[str, str] | None = None,
     ) -> MoveBatch:
         """``forwards``: request -> new tokens its forward computes this step. ``kills``: request -> (n, seed): the
         test evicts n random live tokens outside shared blocks (after the policy's own decisions), as a policy
         would. ``waiting`` and ``watermark``: pressure mode's demand beyond the running requests (the tokens of
-        each waiting request's first forward, and blocks kept free). Returns the step's moves."""
+        each waiting request's first forward, and blocks kept free). ``failures``: collects the requests whose
+        decision raised, which end alone as in the engine (None: such a failure fails the test). Returns the step's
+        moves."""
         plan = self.core.plan_step(
             [Progress(rid, r.computed, r.outputs, forwards.get(rid, 1)) for rid, r in self.reqs.items()],
             waiting,
             watermark,
         )
+        failed = self.core.take_failed()
+        if failed and failures is None:  # a bug the test must see
+            raise AssertionError(f"the compactor failed for {failed}")
+        for rid, why in failed.items():  # as the engine's glue: each ends alone, with an error, its blocks freed
+            failures[rid] = why
+            self.finish(rid)
+            forwards = {k: n for k, n in forwards.items() if k != rid}
         batches = [plan.moves]
         self.evicted = {}  # request -> (moves, their lower bound, blocks kept, live tokens) of the test's evictions
         for rid, (n, seed) in (kills or {}).items():

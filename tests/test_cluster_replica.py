@@ -237,3 +237,31 @@ def test_an_idle_replica_reads_its_engine_once_a_report_interval_and_a_busy_one_
     assert busy >= 5, busy  # 30 tokens of 10 ms: a read every poll (about 30)
     busy_reports = [x for x in reports if x.pool.running]
     assert busy_reports and reports[-1].pool.running == 0 and reports[-1].pool.free_blocks == 8
+
+
+def test_a_request_the_engine_ended_with_an_error_is_internal_for_its_client_alone():
+    """vLLM's finish reason "error" (vToken could not decide for that request, tests/test_engine_failure.py): the
+    replica sends an internal error for that request only; the engine is not dead and serves on."""
+    from types import SimpleNamespace
+
+    from actors.engines import ENDED_WITH_ERROR, VLLMEngine
+
+    class StubLLM:
+        errored = False
+
+        async def generate(self, prompt, params, rid):
+            done = rid == "bad"
+            out = SimpleNamespace(text="", token_ids=[] if done else [5], finish_reason="error" if done else "length",
+                                  logprobs=None)  # fmt: skip
+            yield SimpleNamespace(outputs=[out], finished=True)
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.live = StubLLM(), set()
+
+    async def chunks(rid):
+        return [c async for c in engine.generate(GenerateSpec(rid, [1, 2], {"max_tokens": 1}))]
+
+    bad, good = asyncio.run(chunks("bad")), asyncio.run(chunks("good"))
+    assert bad == [Chunk.failed("internal", ENDED_WITH_ERROR)] and not engine.errored
+    assert good[0].token_ids == (5,) and good[0].finish_reason == "length"
+    assert failure(bad[0], "r")[0] == "internal"

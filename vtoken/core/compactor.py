@@ -39,8 +39,9 @@ the question as in always mode, keeping as many as it holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -131,8 +132,10 @@ class Compactor:
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
         self.step = 0
-        self._park: list[MoveBatch] = []  # this step's park and restore moves
-        self._restore: list[MoveBatch] = []
+        self._park: list[tuple[str, MoveBatch]] = []  # this step's park and restore moves, by request
+        self._restore: list[tuple[str, MoveBatch]] = []
+        # Requests whose decision, compaction or shed raised: each ends alone, with an error (``take_failed``).
+        self.failed: dict[str, str] = {}
 
     # ---------------------------------------------------------------- request life
     def add(
@@ -216,8 +219,9 @@ class Compactor:
             self.tier.give(st.parked.tier)
             st.parked.clear()
         if finished:
-            st.record.finish(st.table, len(self.blocks_of(st.request_id)), len(st.ballast))
-            self.totals.add_finished(st.record)
+            if st.request_id not in self.failed:  # a failed request's record may be half updated: not counted
+                st.record.finish(st.table, len(self.blocks_of(st.request_id)), len(st.ballast))
+                self.totals.add_finished(st.record)
         else:
             self.totals.preemptions += 1
             self.totals.preemptions_in_prefill += st.in_prefill
@@ -261,6 +265,34 @@ class Compactor:
             values[slots[inside]] = column[live[inside]]
             out[name] = values
         return out
+
+    # ---------------------------------------------------------------- one request's failure stays its own
+    @contextlib.contextmanager
+    def isolated(self, request_id: str) -> Iterator[None]:
+        """Work for one request: an exception in it (a policy that raises, a bug in a compaction) ends that request
+        alone. It is logged with its traceback and named in ``failed``; its moves, parks and restores of this step
+        are dropped; the engine's glue finishes it with an error (``take_failed``), which frees its blocks, while
+        every other request runs on. Without this, one request's exception stopped the engine for all of them."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - whatever one request's decision raises is that request's failure
+            if request_id not in self.failed:
+                logger.exception("vtoken: request %s failed while vToken decided for it; it ends with an error, "
+                                 "the others run on", request_id)  # fmt: skip
+                self.failed[request_id] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests that failed since the last call (request -> the reason, one line), forgotten here: their
+        ballast and parked tokens are released, and no trace line is written for them. The engine then ends each
+        with an error and frees its blocks (its ``remove`` finds nothing left to do)."""
+        for rid in self.failed:
+            st = self.states.pop(rid, None)
+            if st is not None:
+                self._forget(st, finished=True)
+            if self.traces is not None:
+                self.traces.finished(rid, None)  # drops what an earlier, preempted run left for the next one
+        failed, self.failed = self.failed, {}
+        return failed
 
     # ---------------------------------------------------------------- what the engine's glue asks
     def tracks(self, request_id: str) -> bool:
@@ -353,39 +385,48 @@ class Compactor:
         forwards are added once their tables are synced."""
         shortfall = self._waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
         self.step += 1
-        moves, keep = [], {}
+        moves: dict[str, MoveBatch] = {}
         self._park, self._restore = [], []
         todo = [(p, self.states[p.request_id]) for p in progress if p.request_id in self.states]
         fresh = {}  # statistics are used by the decision that follows them, once
         for p, st in todo:
-            self._sync(st, p.num_computed)
+            with self.isolated(st.request_id):
+                self._sync(st, p.num_computed)
             fresh[st.request_id], st.stats = st.stats, None
+        todo = [(p, st) for p, st in todo if st.request_id not in self.failed]
         for p, st in todo:
-            stats = fresh[st.request_id]
-            if st.phase is Phase.CHOOSING:
-                batch = self._choose_with_parked(st, stats)
-            elif st.phase is Phase.KEEPING:
-                continue  # pressure mode: keeps every token until the pool runs short
-            else:
-                batch = self._evict_by_policy(st, p, stats)
-            if batch is not None:
-                moves.append(batch)
-                keep[st.request_id] = len(self.blocks_of(st.request_id))
+            with self.isolated(st.request_id):
+                stats = fresh[st.request_id]
+                if st.phase is Phase.CHOOSING:
+                    batch = self._choose_with_parked(st, stats)
+                elif st.phase is Phase.KEEPING:
+                    continue  # pressure mode: keeps every token until the pool runs short
+                else:
+                    batch = self._evict_by_policy(st, p, stats)
+                if batch is not None:
+                    moves[st.request_id] = batch
         if any(st.phase is Phase.KEEPING for _, st in todo):
-            shortfall += sum(self._need(st, p.next_tokens) for p, st in todo)
+            shortfall += sum(self._need(st, p.next_tokens) for p, st in todo if st.request_id not in self.failed)
         if shortfall > 0:
             for st, batch in self._shed(todo, fresh, shortfall):
-                moves.append(batch)
-                keep[st.request_id] = len(self.blocks_of(st.request_id))
-        gaps = {}
-        for _, st in todo:
-            if st.gap != st.gap_sent:
-                gaps[st.request_id] = st.gap_sent = st.gap
+                moves[st.request_id] = batch
         if self.mode == "naive":
             for p, st in todo:
-                self._settle_ballast(st, p.next_tokens)
-        return StepPlan(MoveBatch.concat(moves), keep, gaps, MoveBatch.concat(self._park),
-                        MoveBatch.concat(self._restore))  # fmt: skip
+                with self.isolated(st.request_id):
+                    self._settle_ballast(st, p.next_tokens)
+        ok = [st for _, st in todo if st.request_id not in self.failed]
+        keep = {rid: len(self.blocks_of(rid)) for rid in moves if rid not in self.failed}
+        gaps = {}
+        for st in ok:
+            if st.gap != st.gap_sent:
+                gaps[st.request_id] = st.gap_sent = st.gap
+        return StepPlan(
+            MoveBatch.concat([b for rid, b in moves.items() if rid not in self.failed]),
+            keep,
+            gaps,
+            MoveBatch.concat([b for rid, b in self._park if rid not in self.failed]),
+            MoveBatch.concat([b for rid, b in self._restore if rid not in self.failed]),
+        )
 
     def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
         """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
@@ -431,25 +472,10 @@ class Compactor:
         budget; a request still reading its prompt parks what it sheds. Yields (request, its moves)."""
         found = []
         for p, st in todo:
-            stats = fresh[st.request_id]
-            if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
-                continue
-            if st.compacted_at == self.step:  # it chose with the question this step, and came back to keeping
-                continue
-            step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
-            if step is None:
-                continue
-            if stats is None and st.policy.needs:
-                stats = self._known(st)  # the latest statistics it was sent, for the tokens they cover
-            ranked = st.policy.ranked(self._input(st, step, stats))
-            most = min(st.table.num_live - st.keep(st.table.num_logical), ranked.size)
-            if most <= 0:
-                continue
-            writing = st.table.physical_len + p.next_tokens
-            holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
-            n = st.table.num_logical
-            above = st.table.num_live - floor_tokens(n, st.keep(n), st.floor)
-            found.append((Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)))
+            with self.isolated(st.request_id):
+                candidate = self._shed_candidate(st, p, fresh[st.request_id])
+                if candidate is not None:
+                    found.append(candidate)
         holders = [f[0] for f in found]
         if any(f[2].floor > 0 for f in found):
             counts = plan_sheds_above(holders, [f[4] for f in found], shortfall, self.bs)
@@ -458,13 +484,39 @@ class Compactor:
         for (_, p, st, ranked, _), count in zip(found, counts):
             if not count:
                 continue
-            if st.record.shed_at < 0:
-                st.record.shed_at = st.record.forwards
-            logger.debug("vtoken: request %s sheds %d tokens (the pool is %d blocks short)", st.request_id, count,
-                         shortfall)  # fmt: skip
-            park = self.tier is not None and st.in_prefill and bool(st.policy.needs)
-            victims = np.sort(ranked[:count])
-            yield st, self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
+            batch = None
+            with self.isolated(st.request_id):
+                if st.record.shed_at < 0:
+                    st.record.shed_at = st.record.forwards
+                logger.debug("vtoken: request %s sheds %d tokens (the pool is %d blocks short)", st.request_id,
+                             count, shortfall)  # fmt: skip
+                park = self.tier is not None and st.in_prefill and bool(st.policy.needs)
+                victims = np.sort(ranked[:count])
+                batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
+            if batch is not None:
+                yield st, batch
+
+    def _shed_candidate(self, st: RequestState, p: Progress, stats):
+        """(its Holder, p, st, its candidates ranked, its tokens above its floor) of a request that may shed now,
+        or None."""
+        if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
+            return None
+        if st.compacted_at == self.step:  # it chose with the question this step, and came back to keeping
+            return None
+        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
+        if step is None:
+            return None
+        if stats is None and st.policy.needs:
+            stats = self._known(st)  # the latest statistics it was sent, for the tokens they cover
+        ranked = st.policy.ranked(self._input(st, step, stats))
+        most = min(st.table.num_live - st.keep(st.table.num_logical), ranked.size)
+        if most <= 0:
+            return None
+        writing = st.table.physical_len + p.next_tokens
+        holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
+        n = st.table.num_logical
+        above = st.table.num_live - floor_tokens(n, st.keep(n), st.floor)
+        return Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)
 
     def _sync(self, st: RequestState, num_computed: int) -> None:
         """The table catches up with the tokens computed so far; the phase follows the prompt's progress."""
@@ -534,7 +586,7 @@ class Compactor:
         tier = self.tier.take(len(victims)) if park else np.empty(0, np.int64)
         if tier.size:  # parked: hidden from the next forward on, kept in the tier
             st.parked.add(victims[: tier.size], tier, st.record.forwards)
-            self._park.append(MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier))
+            self._park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
             self.totals.tokens_parked += int(tier.size)
         st.record.record_deaths(victims[tier.size :], step)
         self.totals.tokens_evicted += len(victims) - int(tier.size)
@@ -547,7 +599,9 @@ class Compactor:
         if restore is not None and restore.size:  # parked survivors come back right after the packed survivors
             slots = np.arange(plan.physical_len, plan.physical_len + restore.size)
             st.table.revive(st.parked.logical[restore], slots)
-            self._restore.append(MoveBatch(st.parked.tier[restore], to_global_slots(slots, ids, self.bs)))
+            self._restore.append(
+                (st.request_id, MoveBatch(st.parked.tier[restore], to_global_slots(slots, ids, self.bs)))
+            )
             st.record.record_restored(st.parked.logical[restore], st.parked.at_forward[restore])
             kept = -(-st.table.physical_len // self.bs)
         # Blocks past the packed length are empty now; the engine adds back the block the next token needs.

@@ -25,6 +25,8 @@ import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
 
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
 from vtoken.core.budget import kept_tokens
@@ -73,6 +75,7 @@ class VTokenScheduler(Scheduler):
         self.vt_max_seqs = sc.max_num_seqs
         self.vt_watermark = math.ceil(self.vt.pressure_watermark * (self.vt_pool.num_gpu_blocks - 1))
         self.vt_trace = open(self.vt.trace_path, "a") if self.vt.trace_path else None  # noqa: SIM115 - engine life
+        self.vt_ended: list[tuple[int, EngineCoreOutput]] = []  # failed requests' last outputs, for their clients
         self._wrap_coordinator()
         install_engine_core_utilities()
 
@@ -114,6 +117,7 @@ class VTokenScheduler(Scheduler):
         core = self.vt_core
         waiting, limit = self._waiting()
         plan = self._vt_before_schedule(core.plan_step(self._progress(), waiting, self.vt_watermark))
+        self._vt_end_failed()  # before vLLM schedules: a request whose decision raised is not scheduled again
         cached = self.vt_manager.num_cached_block  # blocks of each request already hashed into the prefix cache
         for rid, keep in plan.keep_blocks.items():
             if rid in cached:
@@ -133,25 +137,33 @@ class VTokenScheduler(Scheduler):
         record: list[str] = []
         for rid, n in list(out.num_scheduled_tokens.items()):
             request = self.requests[rid]
-            if not core.tracks(rid):
-                self._admit(request, n)
-            elif core.stop_short(rid, n, request.num_computed_tokens):
-                n = self._stop_one_short(out, request)
-            ask = core.scheduled(rid, n, request.num_computed_tokens, request.num_output_tokens)
-            if ask is not None:
-                if ask.queries:
-                    step.observe[rid] = ask.queries
-                if ask.export:
-                    step.export[rid] = ask.export
-                if ask.parked is not None:
-                    step.joint[rid] = ask.parked
-                if ask.record:
-                    record.append(rid)
-                if ask.window:
-                    step.window[rid] = ask.window
+            with core.isolated(rid):
+                if not core.tracks(rid):
+                    self._admit(request, n)
+                elif core.stop_short(rid, n, request.num_computed_tokens):
+                    n = self._stop_one_short(out, request)
+                ask = core.scheduled(rid, n, request.num_computed_tokens, request.num_output_tokens)
+                if ask is not None:
+                    if ask.queries:
+                        step.observe[rid] = ask.queries
+                    if ask.export:
+                        step.export[rid] = ask.export
+                    if ask.parked is not None:
+                        step.joint[rid] = ask.parked
+                    if ask.record:
+                        record.append(rid)
+                    if ask.window:
+                        step.window[rid] = ask.window
+        # A request that failed here was scheduled already: it ends now, as one aborted while the step runs (its
+        # forward runs on the blocks it held; they go to other requests from the next step on).
+        self._vt_end_failed()
         if core.pressure_active():  # scores on demand for a shed the next steps may need (Compactor.foresee)
-            more, score = core.foresee(out.num_scheduled_tokens, self._waiting()[0], self.vt_watermark, self.vt_chunk,
-                                       self.vt.decode_window)  # fmt: skip
+            try:
+                more, score = core.foresee(out.num_scheduled_tokens, self._waiting()[0], self.vt_watermark,
+                                           self.vt_chunk, self.vt.decode_window)  # fmt: skip
+            except Exception:  # noqa: BLE001 - a forecast, not a decision: without it a shed judges older scores
+                logger.exception("vtoken: the forecast of the pool failed; this step scores no windows")
+                more, score = [], {}
             record += more  # keepers: scheduled() asked nothing of them (it records and scores decoding requests)
             step.window.update(score)
         step.record = tuple(record)
@@ -251,16 +263,46 @@ class VTokenScheduler(Scheduler):
         core = self.vt_core
         if vt is not None:
             for rid, stats in vt.stats.items():
-                core.receive_stats(rid, stats)
+                with core.isolated(rid):
+                    core.receive_stats(rid, stats)
             core.note_worker(vt.move_seconds, vt.bytes_moved, score_seconds=vt.score_seconds)
         lp = getattr(model_runner_output, "logprobs", None)
         if lp is not None and self.vt_trace is not None:
             sampled = model_runner_output.sampled_token_ids
             for i, rid in enumerate(model_runner_output.req_ids):
                 if len(sampled[i]) and core.wants_logprobs(rid):
-                    # LogprobsLists rows: column 0 is the sampled token (vllm/v1/outputs.py)
-                    core.add_logprobs(rid, lp.slice_request(i, len(sampled[i])).logprobs[:, 0].tolist())
-        return super().update_from_output(scheduler_output, model_runner_output)
+                    with core.isolated(rid):
+                        # LogprobsLists rows: column 0 is the sampled token (vllm/v1/outputs.py)
+                        core.add_logprobs(rid, lp.slice_request(i, len(sampled[i])).logprobs[:, 0].tolist())
+        self._vt_end_failed()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for client, last in self.vt_ended:
+            eco = outputs.get(client)
+            if eco is None:
+                outputs[client] = eco = EngineCoreOutputs()
+            eco.outputs = [*eco.outputs, last]
+        self.vt_ended = []
+        return outputs
+
+    def _vt_end_failed(self) -> None:
+        """The requests vToken failed to decide for (Compactor.isolated) end alone, with an error: mirror of the
+        error path of vllm/v1/core/sched/scheduler.py Scheduler.update_from_output (error_req_ids): finish_requests
+        with FINISHED_ERROR (finish reason "error", which vLLM's server answers with a 500), which frees their
+        blocks now, and a last EngineCoreOutput for each client, sent with this step's outputs."""
+        failed = self.vt_core.take_failed()
+        if not failed:
+            return
+        for request in self.finish_requests(failed, RequestStatus.FINISHED_ERROR):
+            logger.error("vtoken: request %s ended with an error (%s); the engine serves on",
+                         external_id(request.request_id), failed[request.request_id])  # fmt: skip
+            last = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            self.vt_ended.append((request.client_index, last))
 
     def _free_request_blocks(self, request) -> None:
         """Mirror of Scheduler._free_request_blocks (finish and preemption): the compactor forgets the request

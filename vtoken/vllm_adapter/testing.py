@@ -11,6 +11,7 @@ worker; the serving classes carry no testing code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from vtoken.kv.mover import Mover
 from vtoken.vllm_adapter import engine as engine_mod
 from vtoken.vllm_adapter.engine import TESTING_KEY
 from vtoken.vllm_adapter.faults import FAULTS, FaultyTensorParallel
-from vtoken.vllm_adapter.scheduler import VTokenScheduler
+from vtoken.vllm_adapter.scheduler import VTokenScheduler, external_id
 from vtoken.vllm_adapter.worker import VTokenCPUWorker, gpu_worker_cls
 
 
@@ -46,6 +47,11 @@ class Knobs(BaseModel):
         ge=0,
         description="every N decode steps move every request's KV into fresh blocks (same slot order); "
         "outputs must not change. 0 = never",
+    )
+    fail_request: str | None = Field(
+        None,
+        description="the request with this caller id gets a policy that raises whenever it decides (or sheds): "
+        "it must end alone, with finish reason 'error', while the others run on exact",
     )
 
     @classmethod
@@ -116,6 +122,22 @@ class TestingScheduler(VTokenScheduler):
         out = super().schedule(*args, **kwargs)
         out.vtoken_testing = {"replace_blocks": self.vt_replace}
         return out
+
+    def _policy_for(self, request):
+        policy, opts = super()._policy_for(request)
+        if self.vt_knobs.fail_request is not None and external_id(request.request_id) == self.vt_knobs.fail_request:
+            policy = _raising(policy)
+        return policy, opts
+
+
+def _raising(policy):
+    """The same policy, except that it raises whenever it scores (a policy's bug, as the engine would meet it)."""
+
+    def score(self, inp):
+        raise RuntimeError("injected fault (testing.Knobs.fail_request): this policy cannot decide")
+
+    cls = type(f"Raising{type(policy).__name__}", (type(policy),), {"score": score})
+    return cls(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
 
 
 class TestingRunnerMixin:
