@@ -293,9 +293,31 @@ def chat(body: dict[str, Any], tokenizer: Tokenizer, limits: Limits) -> Parsed:
 
 def chat_ids(req, msgs: list[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
     """Messages rendered with the model's chat template as the request asks (a chat or a /tokenize request)."""
-    return tokenizer.encode_chat(
-        msgs, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens, req.chat_template_kwargs
-    )
+    kwargs = template_kwargs(req.chat_template_kwargs, tokenizer)
+    return tokenizer.encode_chat(msgs, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                                 kwargs)  # fmt: skip
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, tokenizer: Tokenizer) -> dict[str, Any]:
+    """``chat_template_kwargs`` as vLLM filters them (vllm/renderers/hf.py resolve_chat_template_kwargs), stricter:
+    only variables the model's own template reads are passed to it. An argument of ``apply_chat_template`` itself
+    (``chat_template``, ``tokenize``, ``tools``, ``documents``, ``messages``, ...) is refused by name: the template is
+    the model's, and the request's own fields say the rest. Anything else the template does not read is dropped,
+    as vLLM drops it."""
+    if not kwargs:
+        return {}
+    reserved = tokenizer.template_arguments()
+    for name in kwargs:
+        if name in reserved:
+            where = f"chat_template_kwargs.{name}"
+            raise BadRequest(
+                f"{where}: {name!r} is an argument of the chat template's renderer, not a template variable; the "
+                "model's own template renders the messages (custom templates, tools and documents are not accepted "
+                "through chat_template_kwargs)",
+                where,
+            )
+    reads = tokenizer.template_variables()
+    return {k: v for k, v in kwargs.items() if k in reads}
 
 
 def _parsed(req, ids, max_tokens, field, limits: Limits, defaults: dict[str, Any]) -> Parsed:
@@ -398,6 +420,8 @@ class Tokenizer:
 
     def __init__(self, folder: str | None):
         self.tok = None
+        self._variables: frozenset[str] | None = None  # the chat template's, once
+        self._arguments: frozenset[str] | None = None
         self.defaults = generation_defaults(folder)  # the model's sampling defaults, as `vllm serve` applies
         if folder is not None:
             from transformers import AutoTokenizer
@@ -418,6 +442,24 @@ class Tokenizer:
         if self.tok is None:
             return bytes(i % 256 for i in ids).decode(errors="replace")
         return self.tok.decode(ids)
+
+    def template_variables(self) -> frozenset[str]:
+        """The variables the model's chat template reads (jinja2's undeclared variables of the parsed template)."""
+        if self._variables is None:
+            self._variables = template_variables(getattr(self.tok, "chat_template", None))
+        return self._variables
+
+    def template_arguments(self) -> frozenset[str]:
+        """What ``apply_chat_template`` takes as its own arguments, and the variables it sets itself (messages):
+        never a request's template variable."""
+        import inspect
+
+        if self._arguments is None:
+            fn = getattr(self.tok, "apply_chat_template", None)
+            params = inspect.signature(fn).parameters.values() if fn is not None else ()
+            own = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            self._arguments = frozenset(own | RENDERER_ARGUMENTS)
+        return self._arguments
 
     def encode_chat(
         self,
@@ -440,3 +482,41 @@ class Tokenizer:
         except Exception as e:  # templates raise on role orders they do not support
             raise BadRequest(f"messages do not fit the model's chat template: {str(e).splitlines()[0]}") from None
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+
+# Names transformers' apply_chat_template takes or sets itself when it renders (its signature, and the variables it
+# passes the template), whatever a tokenizer's own signature lists.
+RENDERER_ARGUMENTS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def template_variables(template: Any) -> frozenset[str]:
+    """The undeclared variables of a jinja2 chat template (a string, or named templates), parsed as vLLM parses it
+    (vllm/renderers/hf.py _resolve_chat_template_kwargs: a sandboxed environment with loop controls and the
+    ``{% generation %}`` tag). A template that does not parse reads nothing a request may set."""
+    import jinja2.ext
+    import jinja2.meta
+    import jinja2.sandbox
+
+    class _Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_noop"), [], [], body).set_lineno(lineno)
+
+    texts = list(template.values()) if isinstance(template, dict) else [template] if isinstance(template, str) else []
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[_Generation, jinja2.ext.loopcontrols])
+    found: set[str] = set()
+    for text in texts:
+        try:
+            found |= jinja2.meta.find_undeclared_variables(env.parse(text))
+        except jinja2.TemplateError:
+            continue
+    return frozenset(found)

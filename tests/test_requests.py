@@ -201,3 +201,63 @@ def test_tokenize_and_detokenize_round_trip_on_a_real_tokenizer():
     assert chat["tokens"] == valid.prompt_token_ids and len(chat["token_strs"]) == chat["count"]
     with pytest.raises(BadRequest):
         tokenize_response("detokenize", {"tokens": [-1]}, cfg, tok)
+
+
+# ------------------------------------------------------------------ chat_template_kwargs (issue 46)
+SMUGGLED = "X {{ messages[0].content }}"
+
+
+@pytest.fixture(scope="module")
+def real():
+    from vtoken.models import model_path
+
+    return Tokenizer(str(model_path("tiny-llama"))), parse_config({"model": "tiny-llama"})
+
+
+@pytest.mark.parametrize("name", ["chat_template", "tokenize", "tools", "documents", "messages", "return_dict"])
+@pytest.mark.parametrize("door", ["chat", "tokenize"])
+def test_chat_template_kwargs_cannot_smuggle_an_argument_of_the_renderer(real, name, door):
+    """Before: chat_template_kwargs={"chat_template": ...} rendered the client's template (/tokenize answered 5
+    tokens), and tools and documents got past their own refusals the same way."""
+    tok, cfg = real
+    value = {"chat_template": SMUGGLED, "tokenize": True, "tools": [{"type": "function"}],
+             "documents": [{"text": "d"}], "messages": [], "return_dict": True}[name]  # fmt: skip
+    body = {"messages": MSG, "chat_template_kwargs": {name: value}}
+    with pytest.raises(BadRequest) as e:
+        if door == "chat":
+            chat_request(body, cfg, tok)
+        else:
+            tokenize_response("tokenize", body, cfg, tok)
+    assert e.value.param == f"chat_template_kwargs.{name}" and str(e.value).startswith(e.value.param + ": ")
+
+
+def test_chat_template_kwargs_pass_only_what_the_models_template_reads(real):
+    tok, cfg = real
+    plain = chat_request({"messages": MSG}, cfg, tok).valid.prompt_token_ids
+    unread = chat_request({"messages": MSG, "chat_template_kwargs": {"enable_thinking": True, "x": "y" * 100}}, cfg,
+                          tok).valid.prompt_token_ids  # fmt: skip
+    assert unread == plain, "variables the model's template does not read are dropped, as vLLM drops them"
+    assert tok.template_variables() == {"messages", "add_generation_prompt"}
+
+
+def test_a_template_variable_the_template_reads_reaches_it():
+    from types import SimpleNamespace
+
+    class Stub:
+        chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+
+        def apply_chat_template(self, conversation, chat_template=None, tokenize=True, add_generation_prompt=False,
+                                continue_final_message=False, **kwargs):  # fmt: skip
+            return ("LOUD " if kwargs.get("shout") else "") + conversation[0]["content"]
+
+        def encode(self, text, add_special_tokens=False):
+            return list(text.encode())
+
+    tok = Tokenizer(None)
+    tok.tok = Stub()
+    req = SimpleNamespace(add_generation_prompt=True, continue_final_message=False, add_special_tokens=False,
+                          chat_template_kwargs={"shout": True, "whisper": True})  # fmt: skip
+    from cluster.requests import chat_ids
+
+    assert bytes(chat_ids(req, [{"role": "user", "content": "hi"}], tok)) == b"LOUD hi"
+    assert tok.template_variables() == {"shout", "messages"}
