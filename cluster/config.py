@@ -167,6 +167,22 @@ class GatewayConfig(_Strict):
     max_inflight: int = Field(
         256, gt=0, description="requests admitted at once (running + queued); beyond, RESOURCE_EXHAUSTED"
     )
+    parse_workers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="threads that render chat templates and tokenize, off the gateway's event loop "
+        "(cluster/parsing.py)",
+    )
+    parse_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="longest a request's rendering and tokenizing may take (beyond, HTTP 413 / RESOURCE_EXHAUSTED), "
+        "or wait for a worker (beyond, HTTP 503 / UNAVAILABLE)",
+    )
+    max_parse_pending: int = Field(
+        256, ge=0, description="requests waiting for a parse worker at once; beyond, HTTP 503 / UNAVAILABLE"
+    )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
     token_channel: Literal["zmq", "ray"] = Field(

@@ -3,9 +3,10 @@ for routers), plus the standard health service and server reflection (so `grpcur
 `vtoken serve` process on asyncio, next to the HTTP door (cluster/http_gateway.py); both send every request
 down the same path (cluster/dispatch.py): admission, placement, the replica's stream, retries and aborts.
 
-Generate's statuses: bad input INVALID_ARGUMENT (vLLM's own validation included), over ``max_inflight``
-RESOURCE_EXHAUSTED, no replica or a replica lost mid-stream UNAVAILABLE, deadline DEADLINE_EXCEEDED, anything
-unexpected INTERNAL with the request id (the traceback in the server log).
+Generate's statuses: bad input INVALID_ARGUMENT (vLLM's own validation included), over ``max_inflight`` or a parse
+over ``parse_timeout_s`` RESOURCE_EXHAUSTED, no parse worker free, no replica, or a replica lost mid-stream
+UNAVAILABLE, deadline DEADLINE_EXCEEDED, anything unexpected INTERNAL with the request id (the traceback in the
+server log). Parsing runs off the event loop (cluster/parsing.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cluster.capacity import CapacityFeed
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, failure, internal_message  # noqa: F401 (re-exported)
 from cluster.grpc_requests import parse, validate
+from cluster.parsing import ParseBusy, ParsePool, ParseTooLong
 from cluster.proto import vtoken_pb2 as pb
 from cluster.requests import BadRequest, Tokenizer
 from cluster.status import to_proto
@@ -41,9 +43,17 @@ DOOR = "grpc"
 
 
 class Gateway:
-    def __init__(self, cfg: ServeConfig, controller: Any, tokenizer: Tokenizer, dispatcher: Dispatcher | None = None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        controller: Any,
+        tokenizer: Tokenizer,
+        dispatcher: Dispatcher | None = None,
+        parser: ParsePool | None = None,
+    ):
         self.cfg, self.g, self.controller, self.tok = cfg, cfg.gateway, controller, tokenizer
         self.dispatcher = dispatcher or Dispatcher(cfg, controller)
+        self.parser = parser or parse_pool(cfg)  # rendering and tokenizing, off this event loop
         self.capacity = CapacityFeed(controller)
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -146,12 +156,20 @@ class Gateway:
 
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            req = validate(
-                parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars, self.cfg.vtoken
+            req = await self.parser.run(
+                lambda: validate(
+                    parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars, self.cfg.vtoken
+                )
             )
         except BadRequest as e:
             self.dispatcher.metrics.refused(DOOR, "invalid_argument")
             await context.abort(Code.INVALID_ARGUMENT, str(e))
+        except ParseTooLong as e:
+            self.dispatcher.metrics.refused(DOOR, "resource_exhausted")
+            await context.abort(Code.RESOURCE_EXHAUSTED, str(e))
+        except ParseBusy as e:
+            self.dispatcher.metrics.refused(DOOR, "unavailable")
+            await context.abort(Code.UNAVAILABLE, str(e))
         remaining = context.time_remaining()
         if remaining is not None and (req.deadline_s is None or remaining < req.deadline_s):
             req = req.model_copy(update={"deadline_s": remaining})
@@ -179,6 +197,12 @@ class Gateway:
 def _logprob(lp) -> pb.TokenLogprob:
     top = [pb.TopLogprob(token_id=t, token=tok, logprob=v) for t, tok, v in lp.top]
     return pb.TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top)
+
+
+def parse_pool(cfg: ServeConfig) -> ParsePool:
+    """The parse workers both doors share (cluster/parsing.py), sized by the gateway's config."""
+    g = cfg.gateway
+    return ParsePool(g.parse_workers, g.parse_timeout_s, g.max_parse_pending)
 
 
 class PortInUse(ValueError):

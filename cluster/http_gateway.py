@@ -11,8 +11,12 @@ SO_REUSEPORT), another address than loopback needs TLS or ``allow_insecure_remot
 ``auth_token_env`` every path but ``/health`` needs the same bearer token. A client that disconnects aborts
 its request at once, so its blocks are free again.
 
-Statuses: 400 bad input, 401 token, 404 unknown model or path, 413 body over ``max_request_bytes``, 429 over
-``max_inflight``, 503 no replica (or a replica lost before the answer started), 504 deadline, 500 a bug. A
+Rendering and tokenizing run off the event loop (cluster/parsing.py), so no request's parsing holds up another
+client's ``/health``, chat or gRPC call.
+
+Statuses: 400 bad input, 401 token, 404 unknown model or path, 413 body over ``max_request_bytes`` or a parse
+over ``parse_timeout_s``, 429 over ``max_inflight``, 503 no replica (or a replica lost before the answer started, or
+no parse worker free), 504 deadline, 500 a bug. A
 client that goes away (mid-body, while waiting, mid-stream) is one INFO line in the log (499, which nobody
 reads): the console shows ERROR only for our own faults.
 """
@@ -40,6 +44,7 @@ from cluster.gateway import bind_socket
 from cluster.metrics import CONTENT_TYPE
 from cluster.openai_requests import ModelNotFound, chat_request, completion_request, load_json, tokenize_response
 from cluster.openai_responses import DONE, HTTP_STATUS, Answer, error_body
+from cluster.parsing import ParseBusy, ParsePool, ParseTooLong
 from cluster.requests import BadRequest, Tokenizer
 
 log = logging.getLogger("vtoken.http")
@@ -54,10 +59,13 @@ class ClientGone(Exception):
 
 
 class HttpGateway:
-    def __init__(self, cfg: ServeConfig, controller: Any, tokenizer: Tokenizer, dispatcher: Dispatcher):
+    def __init__(
+        self, cfg: ServeConfig, controller: Any, tokenizer: Tokenizer, dispatcher: Dispatcher, parser: ParsePool
+    ):
         self.cfg, self.g, self.controller, self.tok, self.dispatcher = (
             cfg, cfg.gateway, controller, tokenizer, dispatcher,
         )  # fmt: skip
+        self.parser = parser  # rendering and tokenizing, off this event loop (cluster/parsing.py)
         self.metrics = dispatcher.metrics
         self.server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -160,11 +168,14 @@ class HttpGateway:
         """vLLM's /tokenize (a prompt or chat messages -> token ids) and /detokenize (token ids -> text)."""
         try:
             raw = await read_body(request, self.g.max_request_bytes)
-            return JSONResponse(tokenize_response(kind, load_json(raw), self.cfg, self.tok))
+            body = await self.parser.run(lambda: tokenize_response(kind, load_json(raw), self.cfg, self.tok))
+            return JSONResponse(body)
         except ClientGone:
             return gone_mid_body(request)
-        except BodyTooLarge as e:
+        except (BodyTooLarge, ParseTooLong) as e:
             return error(413, str(e))
+        except ParseBusy as e:
+            return error(503, str(e))
         except BadRequest as e:
             return error(400, str(e), e.param)
         except ModelNotFound as e:
@@ -173,13 +184,16 @@ class HttpGateway:
     async def _generate(self, request: Request, kind: str, parse) -> Response:
         try:
             raw = await read_body(request, self.g.max_request_bytes)
-            req = parse(load_json(raw), self.cfg, self.tok)
+            req = await self.parser.run(lambda: parse(load_json(raw), self.cfg, self.tok))
         except ClientGone:
             self.metrics.refused(DOOR, "cancelled")
             return gone_mid_body(request)
-        except BodyTooLarge as e:
+        except (BodyTooLarge, ParseTooLong) as e:
             self.metrics.refused(DOOR, "resource_exhausted")
             return error(413, str(e))
+        except ParseBusy as e:
+            self.metrics.refused(DOOR, "unavailable")
+            return error(503, str(e))
         except BadRequest as e:
             self.metrics.refused(DOOR, "invalid_argument")
             return error(400, str(e), e.param)

@@ -23,7 +23,7 @@ from actors.report import ReplicaReport
 from cluster.config import ServeConfig, preflight
 from cluster.controller import Controller
 from cluster.dispatch import Dispatcher
-from cluster.gateway import Gateway, check_port
+from cluster.gateway import Gateway, check_port, parse_pool
 from cluster.metrics import Metrics
 from cluster.ray_connect import RayUnavailable, connect  # noqa: F401 (RayUnavailable: re-exported)
 from cluster.requests import Tokenizer
@@ -71,10 +71,11 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
         folder = None if cfg.engine.kind == "fake" else cfg.model_folder()
         tokenizer = await asyncio.to_thread(Tokenizer, folder)
         dispatcher = Dispatcher(cfg, ctl, Metrics(cfg.model_name))
-        gateway = Gateway(cfg, ctl, tokenizer, dispatcher)
+        parser = parse_pool(cfg)  # one set of parse workers for both doors
+        gateway = Gateway(cfg, ctl, tokenizer, dispatcher, parser)
         served = Served(await gateway.start(), ctl, gateway)
         if http_module is not None:
-            http = (await http_module).HttpGateway(cfg, ctl, tokenizer, dispatcher)
+            http = (await http_module).HttpGateway(cfg, ctl, tokenizer, dispatcher, parser)
             served.http, served.http_port = http, await http.start()
         log.info(
             "vtoken serving %s on %s:%d (gRPC), HTTP %s, with %d replicas",
@@ -90,6 +91,7 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
             await http.stop()
         if gateway is not None:
             await gateway.stop()
+            gateway.parser.close()
             if gateway.dispatcher.channel is not None:
                 await gateway.dispatcher.channel.aclose()
         try:

@@ -204,7 +204,7 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
         ("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None, "nested too deeply"),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model", "gpt-4"),
         ("/v1/chat/completions", {"messages": MSG, "vtoken": {"polcy": "h2o"}}, 400, "vtoken.polcy", "per-request"),
-        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"budget": -1}}, 400, "vtoken", "budget"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"budget": -1}}, 400, "vtoken.budget", "budget"),
         ("/v1/chat/completions", {"messages": MSG, "vtoken": "h2o"}, 400, "vtoken", "object"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 250_000}]}, 413, None, "max_request"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
@@ -468,7 +468,7 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
     import socket
 
     from cluster.dispatch import Dispatcher
-    from cluster.gateway import PortInUse
+    from cluster.gateway import PortInUse, parse_pool
     from cluster.http_gateway import HttpGateway
     from cluster.requests import Tokenizer
 
@@ -476,7 +476,7 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
     cfg = config("tls", gateway={"http_port": "any", "tls_cert": cert, "tls_key": key})
 
     async def go():
-        gw = HttpGateway(cfg, None, Tokenizer(None), Dispatcher(cfg, None))
+        gw = HttpGateway(cfg, None, Tokenizer(None), Dispatcher(cfg, None), parse_pool(cfg))
         port = await gw.start()
         try:
             async with httpx.AsyncClient(verify=cert) as c:
@@ -490,7 +490,7 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
                 held.listen()
                 busy = config("busy", gateway={"http_port": held.getsockname()[1]})
                 with pytest.raises(PortInUse, match="gateway.http_port: 127.0.0.1:.* is in use"):
-                    await HttpGateway(busy, None, Tokenizer(None), Dispatcher(busy, None)).start()
+                    await HttpGateway(busy, None, Tokenizer(None), Dispatcher(busy, None), parse_pool(busy)).start()
         finally:
             await gw.stop()
 
