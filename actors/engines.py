@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from actors.report import empty_pool
 from vtoken.pool_report import PoolReport
 
 # Chunk.code values and what the client sees: the gateway maps them to gRPC status codes.
@@ -253,25 +252,29 @@ class VLLMEngine(Engine):
 
         from vtoken.models import model_path
         from vtoken.vllm_adapter import VTokenConfig, make_async_llm
+        from vtoken.vllm_adapter.stock_pool import StockPool
 
         # A model name is resolved here, on the replica's node, where the model folder lives.
         folder = model if Path(model).is_dir() else str(model_path(model))
         self.vtoken = VTokenConfig(**vtoken)
         self.block_size = int(engine_args.get("block_size") or 0)
-        self.llm = make_async_llm(folder, self.vtoken, **engine_args)
-        self.live: set[str] = set()  # ids of the requests in generate()
+        self.stock = StockPool()  # vLLM's own statistics of its pool: the report of a stock engine (vToken off)
+        self.llm = make_async_llm(folder, self.vtoken, stat_loggers=[self.stock.logger_factory()], **engine_args)
+        self.live: dict[str, _Live] = {}  # the requests in generate()
 
     @property
     def errored(self) -> bool:
         return bool(self.llm.errored)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
-        self.live.add(spec.request_id)
+        live = self.live[spec.request_id] = _Live(len(spec.prompt_token_ids),
+                                                  int(spec.sampling.get("max_tokens") or 16))  # fmt: skip
         try:
             async for chunk in self._generate(spec):
+                live.started, live.generated = True, live.generated + len(chunk.token_ids)
                 yield chunk
         finally:
-            self.live.discard(spec.request_id)
+            self.live.pop(spec.request_id, None)
 
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
@@ -325,9 +328,7 @@ class VLLMEngine(Engine):
         if self.errored:
             raise EngineDead("vLLM's EngineCore is not running")
         if not self.vtoken.enabled:
-            # Stock vLLM serves no pool report (vToken's scheduler adds it): the pool figures stay 0 and
-            # placement balances by the blocks promised to each replica; running is this replica's own count.
-            return empty_pool(self.block_size, running=len(self.live))
+            return self._stock_report()
         try:
             return await pool_report_async(self.llm)
         except EngineDeadError as e:
@@ -335,6 +336,48 @@ class VLLMEngine(Engine):
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+
+    def _stock_report(self) -> PoolReport:
+        """Stock vLLM (vToken off): its pool from vLLM's own scheduler statistics (vllm_adapter/stock_pool.py).
+        ``admitted`` lists the requests that have streamed a first chunk: their blocks are allocated in a step
+        whose statistics have arrived, so the controller may drop their promises; a request still before its
+        first chunk keeps its promise (counted twice at worst, never missed). Nothing is evicted or reclaimed."""
+        from vtoken.vllm_adapter.engine import pool_blocks_async
+
+        total = pool_blocks_async(self.llm)
+        free = self.stock.free_blocks(total)
+        started = [(rid, r) for rid, r in self.live.items() if r.started]
+        return PoolReport(
+            free_blocks=free,
+            total_blocks=total,
+            kv_cache_usage=self.stock.usage,
+            running=self.stock.running,
+            waiting=self.stock.waiting,
+            live_tokens=sum(r.prompt + r.generated for _, r in started),
+            retained_blocks=total - free,
+            naive_retained_blocks=total - free,
+            blocks_reclaimed=0,
+            admitted=tuple(sorted(rid for rid, _ in started)),
+            blocks_freed_total=0,
+            tokens_evicted_total=0,
+            tokens_moved_total=0,
+            compaction_seconds_total=0.0,
+            preemptions_total=0,
+            block_size=self.block_size,
+            tokens_to_go=sum(
+                (0 if r.started else r.prompt) + max(r.max_tokens - r.generated, 0) for r in self.live.values()
+            ),  # fmt: skip
+        )
+
+
+@dataclass
+class _Live:
+    """A request in a replica's generate(): its prompt, its max_tokens, what it has streamed so far."""
+
+    prompt: int
+    max_tokens: int
+    generated: int = 0
+    started: bool = False
 
 
 def _logprobs(token_ids, logprobs, top: int) -> tuple[TokenLogprob, ...]:

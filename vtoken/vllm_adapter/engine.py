@@ -195,12 +195,21 @@ def open_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: An
         gc.collect()
 
 
-def make_async_llm(model: str, vtoken: VTokenConfig | dict | None = None, **kwargs: Any):
-    """``vllm.v1.engine.async_llm.AsyncLLM`` (what servers use) with vToken."""
+def make_async_llm(model: str, vtoken: VTokenConfig | dict | None = None, stat_loggers: list | None = None,
+                   **kwargs: Any):  # fmt: skip
+    """``vllm.v1.engine.async_llm.AsyncLLM`` (what servers use) with vToken. ``stat_loggers``: vLLM's own
+    (``AsyncLLM.from_engine_args``), e.g. ``[StockPool().logger_factory()]`` (vllm_adapter/stock_pool.py)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine_kwargs(vtoken, **kwargs)))
+    args = AsyncEngineArgs(model=model, **engine_kwargs(vtoken, **kwargs))
+    return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+
+
+def pool_blocks_async(async_llm) -> int:
+    """Usable KV blocks of an ``AsyncLLM``'s pool: vLLM sends the EngineCore's block count back to its client
+    (vllm/v1/engine/core_client.py) and reserves one null block (vllm/v1/core/block_pool.py)."""
+    return max((async_llm.vllm_config.cache_config.num_gpu_blocks or 0) - 1, 0)
 
 
 def vtoken_stats(llm, reset: bool = False) -> dict[str, Any]:

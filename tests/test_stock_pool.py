@@ -1,0 +1,45 @@
+"""A stock replica (vToken off, the baseline users compare against) reports its pool: free and total blocks from
+vLLM's own scheduler statistics (vtoken/vllm_adapter/stock_pool.py), so `vtoken status`, /metrics and capacity
+placement see the baseline's pool too. Before, a stock replica reported 0 free and 0 total blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from actors.engines import GenerateSpec, VLLMEngine  # noqa: E402
+
+ARGS = {"dtype": "float32", "block_size": 32, "max_model_len": 1024, "enforce_eager": True, "seed": 0,
+        "kv_cache_memory_bytes": 16 << 20}  # fmt: skip
+
+
+def test_a_stock_engine_reports_its_pool_while_a_request_runs_and_after():
+    async def main():
+        engine = VLLMEngine("tiny-llama", {"mode": "off"}, ARGS)
+        try:
+            idle = await engine.pool_report()
+            spec = GenerateSpec("r1", list(range(100, 400)), {"max_tokens": 64, "ignore_eos": True})
+            seen = []
+            async for chunk in engine.generate(spec):
+                if len(seen) == 8:
+                    seen.append(await engine.pool_report())
+                seen.append(chunk)
+            busy = seen[8]
+            await asyncio.sleep(0.2)
+            after = await engine.pool_report()
+            return idle, busy, after
+        finally:
+            await engine.shutdown()
+
+    idle, busy, after = asyncio.run(main())
+    assert idle.total_blocks > 0 and idle.free_blocks == idle.total_blocks, idle
+    # 300 prompt tokens and a few outputs in 32-token blocks: 10 blocks held, all counted and listed
+    assert busy.total_blocks == idle.total_blocks
+    assert busy.free_blocks == busy.total_blocks - 10 and busy.retained_blocks == 10, busy
+    assert busy.running == 1 and busy.admitted == ("r1",) and busy.live_tokens >= 300
+    assert busy.blocks_reclaimed == 0 and 0 < busy.tokens_to_go <= 64
+    assert after.free_blocks == after.total_blocks and after.admitted == () and after.running == 0, after
