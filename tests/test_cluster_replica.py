@@ -256,7 +256,7 @@ def test_a_request_the_engine_ended_with_an_error_is_internal_for_its_client_alo
             yield SimpleNamespace(outputs=[out], finished=True)
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.live = StubLLM(), set()
+    engine.llm, engine.live = StubLLM(), {}
 
     async def chunks(rid):
         return [c async for c in engine.generate(GenerateSpec(rid, [1, 2], {"max_tokens": 1}))]
