@@ -36,14 +36,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec
+from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec, one_line
 from actors.report import ReplicaReport, empty_pool
+from actors.stderr_tap import StderrTap
 from actors.token_channel import TokenSender, is_loopback
 from vtoken.pool_report import PoolReport
 
 log = logging.getLogger("vtoken.replica")
 REPORT_TIMEOUT_S = 60.0  # an engine step can hold a report back; a pool report that takes longer is a fault
 ORPHAN_AFTER_S = 30.0  # the controller dead for good this long (not restarting): the replica stops itself
+
+
+class EngineStartFailed(RuntimeError):
+    """The replica's engine could not start; the message is the cause, in one line."""
 
 
 def _in_actor() -> bool:
@@ -103,7 +108,15 @@ class Replica:
         return self.incarnation
 
     async def _build(self) -> None:
-        self.engine = await asyncio.to_thread(self.factory)
+        """Build the engine in a thread. When it fails, the error says why in vLLM's own words (the root cause
+        its EngineCore process printed, actors/stderr_tap.py), in one line, not vLLM's "see root cause above"."""
+        tap = StderrTap.install() if _in_actor() else None
+        mark = tap.mark() if tap else 0
+        try:
+            self.engine = await asyncio.to_thread(self.factory)
+        except Exception as e:
+            cause = await asyncio.to_thread(tap.error_since, mark) if tap else ""
+            raise EngineStartFailed(cause or one_line(f"{type(e).__name__}: {e}")) from None
 
     async def ping(self) -> dict[str, Any]:
         return {

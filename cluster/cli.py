@@ -289,6 +289,30 @@ async def _watch_replicas(controller, every_s: float = 2.0) -> None:
         states = now
 
 
+class StartProgress:
+    """`vtoken serve`'s start on the console: a line whenever a replica moves (placed and loading its engine on a
+    node, healthy, failed with vLLM's own reason), and every ``every_s`` how many serve, with the time waited."""
+
+    def __init__(self, replicas: int, every_s: float = 15.0, out=None):
+        self.replicas, self.every_s, self.out = replicas, every_s, out or sys.stdout
+        self.seen: dict[str, str] = {}
+        self.said_at = 0.0
+
+    def __call__(self, rows: list[dict[str, str]], elapsed: float) -> None:
+        for r in rows:
+            state = r["state"]
+            what = {"starting": r["phase"], "failed": f"failed: {r['error']}"}.get(state, state)
+            if self.seen.get(r["name"]) != what:
+                self.seen[r["name"]] = what
+                self.said_at = elapsed
+                print(f"vtoken: replica {r['name']}: {what} ({elapsed:.0f}s)", file=self.out, flush=True)
+        if elapsed - self.said_at >= self.every_s:
+            self.said_at = elapsed
+            healthy = sum(r["state"] == "healthy" for r in rows)
+            print(f"vtoken: waiting for replicas: {healthy} of {self.replicas} healthy ({elapsed:.0f}s)",
+                  file=self.out, flush=True)  # fmt: skip
+
+
 async def _serve_async(cfg, args, local: bool) -> int:
     import ray
 
@@ -302,7 +326,7 @@ async def _serve_async(cfg, args, local: bool) -> int:
     started = asyncio.Event()
 
     async def serve():
-        async with serving(cfg, local=local) as s:
+        async with serving(cfg, local=local, progress=StartProgress(cfg.replicas)) as s:
             started.set()
             g = cfg.gateway
             scheme = "https" if g.tls_cert else "http"

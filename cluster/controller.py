@@ -106,6 +106,20 @@ class Controller(ReplicaLifecycle):
             await asyncio.sleep(0.2)
         return self._count(S.HEALTHY)
 
+    async def progress(self) -> list[dict[str, str]]:
+        """Each replica's state and, before it serves, what it is doing or why it failed (vtoken serve's start)."""
+        self._ensure_running()
+        return [
+            {
+                "name": st.name,
+                "state": str(st.state),
+                "phase": st.phase,
+                "error": st.error,
+                "node_ip": st.report.node_ip,
+            }  # fmt: skip
+            for st in self.replicas.values()
+        ]
+
     async def shutdown(self, timeout_s: float = 30) -> list[ReplicaReport]:
         """Drain every replica and kill it; returns each replica's final report (all blocks free)."""
         self.stopping = True

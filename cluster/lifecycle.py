@@ -86,6 +86,15 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
     return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": args})
 
 
+def start_error(e: BaseException) -> str:
+    """One line for an engine that failed to start: the replica's own reason (EngineStartFailed: vLLM's root
+    cause), never Ray's traceback around it (a RayTaskError's text is the whole remote traceback)."""
+    cause = getattr(e, "cause", None) or e  # ray.exceptions.RayTaskError carries the remote exception
+    text = str(cause).strip().splitlines()
+    line = text[-1] if text and text[0].startswith("Traceback") else (text[0] if text else type(cause).__name__)
+    return line if len(line) <= 1000 else line[:997] + "..."
+
+
 @dataclass
 class ReplicaState:
     """One replica as the controller knows it. ``state`` changes only in ``ReplicaLifecycle._transition``."""
@@ -99,6 +108,7 @@ class ReplicaState:
     task: asyncio.Task | None = None
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of this replica (pin_cpus)
     error: str = ""  # why it failed to start
+    phase: str = "waiting for Ray to place it"  # what it is doing before it serves (vtoken serve shows it)
     restarted: str = ""  # the incarnation whose process was restarted because its engine died
     alive_at: float = 0.0  # it last answered a ping (reports wait for the engine's step; pings do not)
     probe: asyncio.Task | None = None
@@ -225,6 +235,8 @@ class ReplicaLifecycle:
         which may still answer for a moment; only a new process counts as started."""
         while True:
             try:
+                ip, _, pid = await st.handle.where.remote()  # answers once Ray has placed the actor
+                st.phase = f"loading its engine on node {ip} (pid {pid})"
                 if await st.handle.start.remote() != dead:
                     return
                 await asyncio.sleep(0.5)
@@ -237,9 +249,9 @@ class ReplicaLifecycle:
                 self._create(died_at=st.died_at or time.monotonic())
                 return
             except Exception as e:  # the engine itself failed to start (bad model, too small a pool)
-                st.error = str(e)[-500:]
+                st.error = start_error(e)
                 if st.state is not S.DRAINING:  # a replica being drained is on its way out anyway
-                    self._transition(st, S.FAILED, f"its engine failed to start: {e}")
+                    self._transition(st, S.FAILED, f"its engine failed to start: {st.error}")
                 return
 
     def _restart_process(self, st: ReplicaState) -> None:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +53,17 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float = 600) -> AsyncIterator[Served]:
+async def serving(
+    cfg: ServeConfig,
+    local: bool = True,
+    start_timeout_s: float = 600,
+    progress: Callable[[list[dict[str, str]], float], None] | None = None,
+) -> AsyncIterator[Served]:
     """Controller + replicas + gateway; on exit the gateway stops, every replica drains, and ``final_reports``
     holds each replica's last report (all blocks free after a clean drain). Raises ConfigError or PortInUse
-    before starting anything when the deployment cannot start here."""
+    before starting anything when the deployment cannot start here, RuntimeError (one line: vLLM's own reason)
+    when a replica's engine cannot start. ``progress(rows, seconds)``: called about once a second while the
+    replicas start, with each replica's state, what it is doing and why it failed (Controller.progress)."""
     preflight(cfg, local)
     check_ports(cfg)
     clear_leftovers(cfg)
@@ -65,9 +72,9 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
     try:
         # The HTTP door imports vLLM's protocol models (~10 s): while the replicas start, not after.
         http_module = _import_http() if cfg.gateway.http_enabled else None
-        healthy = await ctl.start.remote(start_timeout_s)
+        healthy = await _start_replicas(ctl, start_timeout_s, progress)
         if healthy < cfg.replicas:
-            raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started")
+            raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started in {start_timeout_s:g} s")
         folder = None if cfg.engine.kind == "fake" else cfg.model_folder()
         tokenizer = await asyncio.to_thread(Tokenizer, folder)
         dispatcher = Dispatcher(cfg, ctl, Metrics(cfg.model_name))
@@ -102,6 +109,29 @@ async def serving(cfg: ServeConfig, local: bool = True, start_timeout_s: float =
         kill_replicas(cfg, "left after the controller's shutdown")  # a controller that died while draining
         if "served" in locals():
             served.final_reports = finals
+
+
+async def _start_replicas(ctl, timeout_s: float, progress) -> int:
+    """The controller's start (replicas created, waited for until healthy), watched: ``progress`` sees each
+    replica's state about once a second. A replica whose engine cannot start ends it with a RuntimeError of one
+    line (the controller's reason, not Ray's remote traceback)."""
+    from cluster.lifecycle import start_error
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    start = asyncio.ensure_future(ctl.start.remote(timeout_s))
+    try:
+        while True:
+            done, _ = await asyncio.wait({start}, timeout=1.0)
+            if progress is not None:
+                with contextlib.suppress(Exception):  # progress is for people: never a reason to fail
+                    progress(await asyncio.wait_for(ctl.progress.remote(), 5), loop.time() - t0)
+            if done:
+                return start.result()
+    except ray.exceptions.RayTaskError as e:
+        raise RuntimeError(start_error(e)) from None
+    finally:
+        start.cancel()
 
 
 def start_controller(cfg: ServeConfig, local: bool):

@@ -243,3 +243,62 @@ def test_generate_carries_a_request_s_own_eviction_options_and_names_a_wrong_one
                        text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith("vtoken generate: --vtoken:"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.vllm
+def test_the_start_shows_each_replica_and_a_failed_engine_says_why_in_vllms_words(tmp_path):
+    """A pool too small for max_model_len (tiny-llama: 2 KiB a token, 2,048 tokens, a 1 MiB pool), vToken off:
+    the console follows the replica (placed on a node and loading, then failed) and the error is vLLM's own
+    line, not a traceback ending in vLLM's "Engine core initialization failed. See root cause above"."""
+    cfg = fake_config(
+        tmp_path,
+        model="tiny-llama",
+        vtoken={"mode": "off"},
+        engine={"kind": "vllm", "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 20},
+        replica={"num_cpus": 1},
+    )
+    r = serve(cfg, timeout=170)
+    err = r.stderr.strip()
+    assert r.returncode == 1, (r.returncode, r.stdout[-3000:], err[-3000:])
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "ValueError: To serve at least one request with the model's max seq len (2048)" in err, err
+    said = r.stdout
+    assert "loading its engine on node" in said and "failed: ValueError: To serve at least one request" in said, said
+
+
+def test_the_start_progress_says_each_move_once_and_how_long_it_waits():
+    import io
+
+    from cluster.cli import StartProgress
+
+    out = io.StringIO()
+    p = StartProgress(2, every_s=15, out=out)
+    row = {"name": "r1", "state": "starting", "phase": "loading its engine on node 10.0.0.1 (pid 7)", "error": ""}
+    p([row], 1.0)
+    p([row], 2.0)  # unchanged: nothing new
+    p([row, {**row, "name": "r2", "phase": "waiting for Ray to place it"}], 3.0)
+    p([{**row, "state": "healthy"}, {**row, "name": "r2"}], 20.0)
+    p([{**row, "state": "healthy"}, {**row, "name": "r2"}], 36.0)
+    p([{**row, "state": "healthy"}, {**row, "name": "r2", "state": "failed", "error": "ValueError: no room"}], 40.0)
+    assert out.getvalue().splitlines() == [
+        "vtoken: replica r1: loading its engine on node 10.0.0.1 (pid 7) (1s)",
+        "vtoken: replica r2: waiting for Ray to place it (3s)",
+        "vtoken: replica r1: healthy (20s)",
+        "vtoken: replica r2: loading its engine on node 10.0.0.1 (pid 7) (20s)",
+        "vtoken: waiting for replicas: 1 of 2 healthy (36s)",
+        "vtoken: replica r2: failed: ValueError: no room (40s)",
+    ]
+
+
+def test_a_start_error_is_the_remote_cause_in_one_line_never_rays_traceback():
+    from cluster.lifecycle import start_error
+
+    class RemoteTaskError(RuntimeError):  # what Ray raises: its text the remote traceback, .cause the exception
+        def __init__(self, cause):
+            super().__init__("Traceback (most recent call last):\n  File ...\nRuntimeError: re_engines(")
+            self.cause = cause
+
+    assert start_error(RemoteTaskError(RuntimeError("ValueError: To serve at least one request"))) == (
+        "ValueError: To serve at least one request"
+    )
+    assert start_error(RuntimeError("one\ntwo")) == "one"
