@@ -305,14 +305,24 @@ class ServeConfig(_Strict):
         return self
 
     @property
+    def max_logprobs(self) -> int:
+        """vLLM's max_logprobs for this deployment (engine.extra, else vLLM's default of 20)."""
+        return int(self.engine.extra.get("max_logprobs", 20))
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def model_folder(self) -> str:
-        if self.engine.kind == "fake" or Path(self.model).is_dir():
+    def model_folder(self) -> str | None:
+        """The model's folder, whose tokenizer the gateway loads. The fake engine has none unless ``model`` names a
+        model folder or a prepared model (then its tokenizer renders and tokenizes at the gateway, as for vLLM:
+        the door tests and the fuzz run real templates against a fake engine)."""
+        if Path(self.model).is_dir():
             return self.model
-        from vtoken.models import model_path
+        from vtoken.models import MODELS, model_path
 
+        if self.engine.kind == "fake" and self.model not in MODELS:
+            return None
         return str(model_path(self.model))
 
 

@@ -158,8 +158,13 @@ class Gateway:
         try:
             req = await self.parser.run(
                 lambda: validate(
-                    parse(raw), self.tok, self.cfg.engine.max_model_len, self.g.max_prompt_chars, self.cfg.vtoken
-                )
+                    parse(raw),
+                    self.tok,
+                    self.cfg.engine.max_model_len,
+                    self.g.max_prompt_chars,
+                    self.cfg.vtoken,
+                    self.cfg.max_logprobs,
+                )  # fmt: skip
             )
         except BadRequest as e:
             self.dispatcher.metrics.refused(DOOR, "invalid_argument")

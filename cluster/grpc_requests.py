@@ -88,6 +88,7 @@ def validate(
     max_model_len: int,
     max_prompt_chars: int,
     served_vtoken: dict[str, Any] | None = None,
+    max_logprobs: int = 20,
 ) -> ValidRequest:
     rid = msg.request_id or uuid.uuid4().hex
     if len(rid) > 128 or not rid.isprintable():
@@ -95,7 +96,7 @@ def validate(
     if msg.deadline_ms < 0:
         raise BadRequest("deadline_ms must be >= 0", "deadline_ms")
     body = sampling_fields(msg.sampling)
-    limits = Limits(max_model_len, max_prompt_chars)
+    limits = Limits(max_model_len, max_prompt_chars, max_logprobs)
     which = msg.WhichOneof("input")
     if which == "prompt":
         parsed = completion({**body, "prompt": msg.prompt}, tokenizer, limits)

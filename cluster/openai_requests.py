@@ -75,7 +75,7 @@ def _object(raw: bytes, what: str) -> dict[str, Any]:
 
 
 def limits(cfg: ServeConfig) -> Limits:
-    return Limits(cfg.engine.max_model_len, cfg.gateway.max_prompt_chars)
+    return Limits(cfg.engine.max_model_len, cfg.gateway.max_prompt_chars, cfg.max_logprobs)
 
 
 def check_model(model: str | None, cfg: ServeConfig) -> None:

@@ -60,6 +60,9 @@ class BadRequest(ValueError):
 class Limits(NamedTuple):
     max_model_len: int
     max_prompt_chars: int
+    # vLLM's max_logprobs (ModelConfig, --max-logprobs; 20 by default, -1: the vocabulary): more log-probabilities
+    # than this a request may not ask, as vLLM's server refuses them (SamplingParams._validate_logprobs).
+    max_logprobs: int = 20
 
 
 class Parsed(NamedTuple):
@@ -90,6 +93,9 @@ def protocol_model(cls, body: dict[str, Any]):
         raise BadRequest(f"{loc}: {msg}" if loc else msg, loc or None) from None
     except (VLLMClientError, ValueError) as e:  # vLLM's own checks in its validators (VLLMValidationError)
         raise _bad(e) from None
+    except Exception as e:  # noqa: BLE001 - a validator of vLLM's that trips over the body's shape is still the
+        # body's fault: {"structured_outputs": true} raised AttributeError in vLLM's CompletionRequest validator
+        raise BadRequest(f"the request does not fit vLLM's {cls.__name__}: {type(e).__name__}: {e}") from None
 
 
 def _bad(e: Exception) -> BadRequest:
@@ -331,7 +337,18 @@ def _parsed(req, ids, max_tokens, field, limits: Limits, defaults: dict[str, Any
             raise
         raise BadRequest(str(e).replace("max_tokens", field), field) from None
     check_length(len(ids), max_tokens, limits.max_model_len, field)
+    check_logprobs(s, limits.max_logprobs, "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs")
     return Parsed(req, ids, s)
+
+
+def check_logprobs(sampling: dict[str, Any], most: int, field: str) -> None:
+    """vLLM's bound on log-probabilities (SamplingParams._validate_logprobs), at the door as at vLLM's server."""
+    if most < 0:  # -1: as many as the vocabulary has (the engine checks)
+        return
+    for key, name in (("logprobs", field), ("prompt_logprobs", "prompt_logprobs")):
+        n = sampling.get(key)
+        if n is not None and n > most:
+            raise BadRequest(f"{name}: requested {n} log-probabilities, more than max_logprobs ({most})", name)
 
 
 # ---------------------------------------------------------------------------------------------- eviction

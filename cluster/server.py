@@ -75,8 +75,7 @@ async def serving(
         healthy = await _start_replicas(ctl, start_timeout_s, progress)
         if healthy < cfg.replicas:
             raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started in {start_timeout_s:g} s")
-        folder = None if cfg.engine.kind == "fake" else cfg.model_folder()
-        tokenizer = await asyncio.to_thread(Tokenizer, folder)
+        tokenizer = await asyncio.to_thread(Tokenizer, cfg.model_folder())
         dispatcher = Dispatcher(cfg, ctl, Metrics(cfg.model_name))
         parser = parse_pool(cfg)  # one set of parse workers for both doors
         gateway = Gateway(cfg, ctl, tokenizer, dispatcher, parser)

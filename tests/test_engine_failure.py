@@ -77,3 +77,27 @@ def test_a_request_whose_policy_raises_in_a_shed_ends_alone():
     assert reasons.pop("1") == "error" and set(reasons.values()) == {"length"}, reasons
     assert stats["free_blocks"] == stats["total_blocks"]
     assert all(o.outputs[0].finish_reason == "length" for o in again)
+
+
+def test_a_seeded_request_whose_prompt_is_read_in_chunks_samples_as_if_read_whole():
+    """Found by the engine fuzz (tests/test_fuzz_doors.py): a seeded request whose prompt took more than one forward
+    stopped the engine for every request ("CPU Generator does not use offset": vLLM rewinds a discarded sample's
+    generator by its CUDA offset). The runner restores a CPU generator's state instead: the request samples the same
+    tokens as when its prompt is read in one forward. Failed before the fix (RuntimeError, engine dead)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vtoken.vllm_adapter import VTokenConfig, open_llm
+
+    args = {"dtype": "float32", "block_size": 32, "max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20,
+            "seed": 0, "skip_tokenizer_init": True, "enforce_eager": True, "max_num_batched_tokens": 512}  # fmt: skip
+    sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True, detokenize=False) for s in (1, 2)]
+    got = {}
+    for name, extra in {"chunked": {"prefill_chunk": 32}, "whole": {}}.items():
+        cfg = VTokenConfig(mode="vtoken", evict="pressure", **extra)
+        with open_llm(str(model_path("tiny-llama")), cfg, **args) as llm:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(2, lengths=(130, 70))], sp,
+                                use_tqdm=False)  # fmt: skip
+            got[name] = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(t) == 24 for t in got["chunked"])
+    assert got["chunked"] == got["whole"]

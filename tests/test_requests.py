@@ -261,3 +261,42 @@ def test_a_template_variable_the_template_reads_reaches_it():
 
     assert bytes(chat_ids(req, [{"role": "user", "content": "hi"}], tok)) == b"LOUD hi"
     assert tok.template_variables() == {"shout", "messages"}
+
+
+# ------------------------------------------------------------------ found by the fuzz (tests/test_fuzz_doors.py)
+def test_a_body_that_trips_a_vllm_validator_is_a_400_not_a_500():
+    """{"structured_outputs": true} raised AttributeError inside vLLM's CompletionRequest validator: a 500 before."""
+    with pytest.raises(BadRequest, match="does not fit vLLM's CompletionRequest"):
+        completion_request({"prompt": "hi", "structured_outputs": True, "max_tokens": 2}, CFG, TOK)
+
+
+@pytest.mark.parametrize(
+    "kind, body, field",
+    [
+        ("completion", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("completion", {"prompt": "hi", "prompt_logprobs": 2**31 - 1}, None),  # refused by name as unserved
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2**31 - 1},
+            "top_logprobs",
+        ),  # fmt: skip
+    ],
+)
+def test_more_log_probabilities_than_max_logprobs_are_refused_at_the_door(kind, body, field):
+    """As vLLM's server refuses them (SamplingParams._validate_logprobs, max_logprobs 20 by default). A gRPC
+    request asking 2**31 - 1 reached the fake engine, which then built that many alternatives and stalled."""
+    parse = chat_request if kind == "chat" else completion_request
+    with pytest.raises(BadRequest) as e:
+        parse({**body, "max_tokens": 2}, CFG, TOK)
+    assert field is None or e.value.param == field
+
+
+def test_grpc_log_probabilities_are_bounded_too():
+    from cluster.grpc_requests import validate
+    from cluster.proto import vtoken_pb2 as pb
+
+    req = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2, logprobs=2**31 - 1))
+    with pytest.raises(BadRequest, match="max_logprobs"):
+        validate(req, TOK, 512, 1000)
+    assert validate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2, logprobs=20)), TOK, 512,
+                    1000).sampling["logprobs"] == 20  # fmt: skip

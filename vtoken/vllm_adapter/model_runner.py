@@ -199,6 +199,7 @@ class VTokenRunnerMixin:
     # ---------------------------------------------------------------- after the forward
     def sample_tokens(self, *args, **kwargs):
         """Mirror of GPUModelRunner.sample_tokens: attach the statistics the scheduler asked for."""
+        self.vt_rewind = self._vt_cpu_generators_to_rewind()
         out = super().sample_tokens(*args, **kwargs)
         vt = VTokenWorkerOutput(move_seconds=self.vt_move_seconds, bytes_moved=self.vt_bytes_moved)
         self.vt_move_seconds, self.vt_bytes_moved = 0.0, 0
@@ -226,6 +227,37 @@ class VTokenRunnerMixin:
         if target is not None:
             target.vtoken = vt
         return out
+
+    # ---------------------------------------------------------------- seeded requests on CPU
+    def _vt_cpu_generators_to_rewind(self) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+        """The CPU generators of this step's discarded samples (a partial prefill, such as the forward that stops
+        one token short of the prompt's end for parking), with their state before sampling. vLLM rewinds such a
+        generator by its Philox offset (vllm/v1/worker/gpu_model_runner.py GPUModelRunner._bookkeeping_sync:
+        ``gen.set_offset(gen.get_offset() - 4)``), which a CPU generator does not have: it raised "CPU Generator
+        does not use offset" and stopped the engine for every request whenever a seeded request's prompt was read
+        in more than one forward. On CPU the state taken here is put back instead (``_bookkeeping_sync``)."""
+        n = self.input_batch.num_reqs
+        out = {}
+        for i in np.nonzero(self.discard_request_mask.np[:n])[0].tolist():
+            gen = self.input_batch.generators.get(i)
+            if gen is not None and gen.device.type == "cpu":
+                out[i] = (gen, gen.get_state())
+        return out
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        """Mirror of GPUModelRunner._bookkeeping_sync, whose rewind of a discarded sample's generator works on
+        CUDA only: on CPU the generators saved in ``sample_tokens`` are hidden from it and their states restored,
+        which undoes the discarded sample's draws exactly as the offset does on CUDA."""
+        rewind, self.vt_rewind = getattr(self, "vt_rewind", {}), {}
+        generators = self.input_batch.generators
+        for i in rewind:
+            generators.pop(i, None)
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            for i, (gen, state) in rewind.items():
+                gen.set_state(state)
+                generators[i] = gen
 
 
 def runner_cls(base: type, *mixins: type) -> type:
