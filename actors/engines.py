@@ -345,14 +345,17 @@ class VLLMEngine(Engine):
         from vtoken.vllm_adapter.engine import pool_blocks_async
 
         total = pool_blocks_async(self.llm)
-        free = self.stock.free_blocks(total)
+        # With no request of ours in it, the engine holds nothing: vLLM sends statistics only when it steps, so
+        # after an abort (a client gone, a drain) that freed the last blocks its last figures would stay stale.
+        idle = not self.live
+        free = total if idle else self.stock.free_blocks(total)
         started = [(rid, r) for rid, r in self.live.items() if r.started]
         return PoolReport(
             free_blocks=free,
             total_blocks=total,
-            kv_cache_usage=self.stock.usage,
-            running=self.stock.running,
-            waiting=self.stock.waiting,
+            kv_cache_usage=0.0 if idle else self.stock.usage,
+            running=0 if idle else self.stock.running,
+            waiting=0 if idle else self.stock.waiting,
             live_tokens=sum(r.prompt + r.generated for _, r in started),
             retained_blocks=total - free,
             naive_retained_blocks=total - free,
