@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from actors.report import plain_pool
 from vtoken.pool_report import PoolReport
 
 # Chunk.code values and what the client sees: the gateway maps them to gRPC status codes.
@@ -216,26 +217,9 @@ class FakeEngine(Engine):
         if self.dead:
             raise EngineDead("fake engine is dead")
         held = sum(self.held.values())
-        reclaimed = int(held * self.reclaim_fraction)
-        return PoolReport(
-            free_blocks=self.total_blocks - held,
-            total_blocks=self.total_blocks,
-            kv_cache_usage=held / self.total_blocks,
-            running=len(self.held),
-            waiting=len(self.waiting),
-            live_tokens=sum(self.live.values()),
-            retained_blocks=held,
-            naive_retained_blocks=held + reclaimed,
-            blocks_reclaimed=reclaimed,
-            admitted=tuple(sorted(self.held)),
-            blocks_freed_total=0,
-            tokens_evicted_total=0,
-            tokens_moved_total=0,
-            compaction_seconds_total=0.0,
-            preemptions_total=0,
-            block_size=self.block_size,
-            tokens_to_go=sum(self.to_go.values()),
-        )
+        return plain_pool(self.total_blocks - held, self.total_blocks, len(self.held), len(self.waiting),
+                          sum(self.live.values()), self.held, self.block_size, sum(self.to_go.values()),
+                          reclaimed=int(held * self.reclaim_fraction))  # fmt: skip
 
 
 def fake_logprob(token_id: int, top: int) -> TokenLogprob:
@@ -350,27 +334,10 @@ class VLLMEngine(Engine):
         idle = not self.live
         free = total if idle else self.stock.free_blocks(total)
         started = [(rid, r) for rid, r in self.live.items() if r.started]
-        return PoolReport(
-            free_blocks=free,
-            total_blocks=total,
-            kv_cache_usage=0.0 if idle else self.stock.usage,
-            running=0 if idle else self.stock.running,
-            waiting=0 if idle else self.stock.waiting,
-            live_tokens=sum(r.prompt + r.generated for _, r in started),
-            retained_blocks=total - free,
-            naive_retained_blocks=total - free,
-            blocks_reclaimed=0,
-            admitted=tuple(sorted(rid for rid, _ in started)),
-            blocks_freed_total=0,
-            tokens_evicted_total=0,
-            tokens_moved_total=0,
-            compaction_seconds_total=0.0,
-            preemptions_total=0,
-            block_size=self.block_size,
-            tokens_to_go=sum(
-                (0 if r.started else r.prompt) + max(r.max_tokens - r.generated, 0) for r in self.live.values()
-            ),  # fmt: skip
-        )
+        to_go = sum((0 if r.started else r.prompt) + max(r.max_tokens - r.generated, 0) for r in self.live.values())
+        return plain_pool(free, total, 0 if idle else self.stock.running, 0 if idle else self.stock.waiting,
+                          sum(r.prompt + r.generated for _, r in started), [rid for rid, _ in started],
+                          self.block_size, to_go, usage=0.0 if idle else self.stock.usage)  # fmt: skip
 
 
 @dataclass

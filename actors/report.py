@@ -17,6 +17,27 @@ def empty_pool(block_size: int = 0, running: int = 0) -> PoolReport:
     return PoolReport(0, 0, 0.0, running, 0, 0, 0, 0, 0, (), 0, 0, 0, 0.0, 0, block_size)
 
 
+def plain_pool(
+    free: int,
+    total: int,
+    running: int,
+    waiting: int,
+    live_tokens: int,
+    admitted,
+    block_size: int,
+    tokens_to_go: int,
+    reclaimed: int = 0,
+    usage: float | None = None,
+) -> PoolReport:
+    """An engine's pool without vToken's counters (the fake engine, stock vLLM): what it holds, and ``reclaimed``
+    blocks Naive-Evict would hold on top (the fake's stand-in for vToken's reclaim). ``usage``: the engine's own
+    figure (default: held / total)."""
+    held = total - free
+    usage = (held / total if total else 0.0) if usage is None else usage
+    return PoolReport(free, total, usage, running, waiting, live_tokens, held, held + reclaimed, reclaimed,
+                      tuple(sorted(admitted)), 0, 0, 0, 0.0, 0, block_size, tokens_to_go)  # fmt: skip
+
+
 class ReplicaReport(NamedTuple):
     """A replica's state at ``time`` (wall clock). ``incarnation`` changes with every engine the replica
     builds (a new process, or a restart after its engine died), so the controller can tell a new engine
