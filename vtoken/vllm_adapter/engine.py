@@ -92,7 +92,9 @@ def engine_kwargs(vtoken: VTokenConfig | dict | None = None, **kwargs: Any) -> d
         "scheduler_cls": SCHEDULER,
         "worker_cls": WORKERS[_platform()],
         "additional_config": extra,
-        "enable_prefix_caching": bool(kwargs.get("enable_prefix_caching")),
+        # Prefix caching stays as the caller (or vLLM's default: on) has it: a block shared by cached prefixes is
+        # never evicted from or moved, a compacted block is never offered as a hit (scheduler.py cache_blocks and
+        # the compactor's evict_blocks), so a conversation's next turn reuses every block of its last that is whole.
         "async_scheduling": False,
     }
 

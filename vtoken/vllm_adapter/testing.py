@@ -34,13 +34,17 @@ class Knobs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     fault: (
-        Literal["skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only", "blind_last_chunk"] | None
+        Literal[
+            "skip_moves", "physical_rope", "fail_rank1_moves", "scores_rank0_only", "blind_last_chunk", "cache_dirty"
+        ]
+        | None
     ) = Field(
         None,
         description="negative controls: skip the KV copies, or feed physical positions to RoPE (both must break "
         "exactness); TP rank 1 raises while applying a plan (the engine must stop), or attention statistics "
         "from rank 0's heads only (H2O's decisions must change); parking's last chunk does not attend the "
-        "parked tokens although the trace says it does (exactness must break)",
+        "parked tokens although the trace says it does (exactness must break); blocks that lost or gained tokens "
+        "stay in the prefix cache and are offered as hits (exactness must break)",
     )
     relocate_every: int = Field(
         0,
@@ -88,6 +92,9 @@ class TestingScheduler(VTokenScheduler):
         super().__init__(vllm_config, *args, **kwargs)
         self.vt_knobs = Knobs.from_vllm(vllm_config)
         self.vt_replace: dict[str, list[int]] = {}
+        if self.vt_knobs.fault == "cache_dirty":  # negative control: compacted blocks keep (or get) their hashes
+            self.vt_core.may_cache = lambda rid: True
+            self.vt_pool.evict_blocks = lambda ids: None
 
     def _vt_before_schedule(self, plan: StepPlan) -> StepPlan:
         self.vt_replace = {}
