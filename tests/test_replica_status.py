@@ -54,7 +54,12 @@ class Handle:
         async def shutdown():
             return None
 
-        self.start, self.ping, self.drain, self.shutdown = map(Method, (start, ping, drain, shutdown))
+        async def where():
+            return "127.0.0.1", "node", 1
+
+        self.start, self.ping, self.drain, self.shutdown, self.where = map(
+            Method, (start, ping, drain, shutdown, where)
+        )
 
 
 class Records(logging.Handler):
