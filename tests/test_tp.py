@@ -154,6 +154,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
                 enforce_eager=True,
                 tensor_parallel_size=tp,
                 distributed_executor_backend="mp",
+                enable_prefix_caching=False,  # as the TP=1 runs it is compared with (tests/vllm_harness.py)
             ),
         )
         try:
