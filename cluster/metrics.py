@@ -134,6 +134,13 @@ POOL_SERIES = (
     ("vtoken:tokens_moved", "Tokens moved by compaction", "tokens_moved_total", True),
     ("vtoken:compaction_seconds", "Scheduler time on eviction and compaction planning", "compaction_seconds_total",
      True),
+    ("vtoken:parked_tokens", "Tokens parked in the host tier now (given up, not lost: recall can bring them back)",
+     "parked_tokens", False),
+    ("vtoken:tier_tokens", "The parking tier's size in tokens (0: no tier)", "tier_tokens", False),
+    ("vtoken:tokens_recalled", "Parked tokens brought back while decoding (recall)", "tokens_recalled_total", True),
+    ("vtoken:recalls", "Recalls: choices among live and parked tokens while decoding", "recalls_total", True),
+    ("vtoken:recall_bytes", "Parked bytes read to score recalls (page boxes and candidates' keys)",
+     "recall_bytes_total", True),
 )  # fmt: skip
 
 

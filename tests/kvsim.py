@@ -18,10 +18,13 @@ import torch
 
 from vtoken.core.compactor import Compactor, Progress
 from vtoken.core.move_batch import MoveBatch
+from vtoken.core.park import TierSlots
 from vtoken.core.planner import moves_lower_bound, to_global_slots
 from vtoken.core.policies import make_policy
 from vtoken.kv.kv_layout import LAYOUTS
 from vtoken.kv.mover import CpuMover
+from vtoken.kv.tier import KVTier
+from vtoken.kv.worker_step import apply_kv_step
 
 NEVER = 10**9  # a budget no request reaches: the policy evicts nothing unless the test says so
 
@@ -84,6 +87,7 @@ class KVSim:
         seed=0,
         trace=False,
         floor=0.0,
+        tier_tokens=0,
     ):
         self.bs, self.layers, self.heads, self.hs, self.layout = block_size, layers, heads, head_size, layout
         shape = (
@@ -94,8 +98,11 @@ class KVSim:
         self.kv = [torch.zeros(shape) for _ in range(layers)]
         self.pool = SimPool(num_blocks)
         self.reqs: dict[str, SimRequest] = {}
-        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks, trace=trace,
+        slots = TierSlots(tier_tokens) if tier_tokens else None
+        self.core = Compactor(mode, block_size, self.pool, lambda rid: self.reqs[rid].blocks, slots, trace=trace,
                               floor=floor)  # fmt: skip
+        # The tier's bytes (the worker's half, vtoken/kv/tier.py), so parked tokens come back byte for byte.
+        self.kvtier = KVTier(tier_tokens, self.kv, layout, block_size, head_size) if tier_tokens else None
         self.mover = mover or CpuMover(block_size, layout)
         self.gen = torch.Generator().manual_seed(seed)
         self.moves_done = 0
@@ -202,7 +209,11 @@ class KVSim:
             ids = [b.block_id for b in r.blocks]
             slots = to_global_slots(np.arange(table.physical_len, table.physical_len + n), ids, self.bs)
             writes.append((r, slots, torch.randn(n, self.layers, 2, self.heads, self.hs, generator=self.gen)))
-        self.mover.apply(self.kv, batch)  # the worker moves first, then the forward writes
+        if self.kvtier is not None:  # as the worker: tier slots freed, then fetch, park, moves, restore
+            self.kvtier.free(plan.tier_freed)
+            apply_kv_step(self.mover, self.kvtier, self.kv, [], batch, plan.park, plan.restore)
+        else:
+            self.mover.apply(self.kv, batch)  # the worker moves first, then the forward writes
         for r, slots, data in writes:
             r.kv.append(data)
             self._write(slots, data)

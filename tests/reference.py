@@ -6,7 +6,8 @@ prefix-cached tokens; they cover the prompt and, after a preemption, the outputs
 decode step per further output token. Row ``i`` of the teacher-forced sequence (prompt + output[:-1]) belongs to
 the forward that computed token ``i``; it may attend key ``k`` iff ``k <= i`` and ``k`` was not evicted at a
 forward ``<=`` its own (``evicted_at_forward``), nor parked then (a token parked and restored,
-``restored_positions``, is hidden from the forwards in ``[parked_at_forward, restored_at_forward)``), except that
+``restored_positions``, is hidden from the forwards in ``[parked_at_forward, restored_at_forward)``, once for each
+time it was parked and restored), except that
 parking's last chunk (``joint_forward``) attends every token parked then (``joint_positions``) as well. A
 preempted request has several runs (``preempted_runs``, then the trace's own fields); output token ``j`` is
 checked against the run that sampled it. Nothing here imports vToken.
@@ -59,7 +60,12 @@ def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0, joint: 
         parked = np.asarray(run["parked_at_forward"], dtype=np.int64)
         restored = np.asarray(run["restored_at_forward"], dtype=np.int64)
         hidden = (fwd[:, None] >= parked[None, :]) & (fwd[:, None] < restored[None, :])
-        allowed[:, back] &= ~hidden
+        # A token parked and restored more than once (recall while decoding) has one entry per time: every
+        # interval hides it (a fancy-indexed &= with repeated columns would keep only the last one).
+        uniq, inv = np.unique(back, return_inverse=True)
+        times = np.zeros((uniq.size, n_rows), dtype=np.int64)
+        np.add.at(times, inv, hidden.T.astype(np.int64))
+        allowed[:, uniq] &= (times == 0).T
     if joint and run.get("joint_forward", -1) >= 0:  # parking's last chunk attended the parked tokens too
         rows = fwd == run["joint_forward"]
         seen = np.asarray(run["joint_positions"], dtype=np.int64)

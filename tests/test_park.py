@@ -208,34 +208,39 @@ def test_the_last_chunk_attends_live_and_parked_keys_in_one_softmax(attend, slic
 
 
 def test_every_parked_token_losing_with_live_ones_is_one_clean_compaction():
-    """The choice with the question where every parked token loses and live tokens lose too: the parked ones are
-    freed for good, the live losers die, and nothing is killed twice. (A defect: the parked list was cleared
-    before the live losers were told apart from it, so parked losers were killed a second time in the table,
-    "kill of already-evicted tokens"; seen with prefix caching, where protected blocks leave the window few
-    parked winners.)"""
+    """The choice with the question where every parked token loses and live tokens lose too: the parked ones stay
+    parked, the live losers are parked beside them, and nothing is killed twice. (A defect: the parked list was
+    cleared before the live losers were told apart from it, so parked losers were killed a second time in the
+    table, "kill of already-evicted tokens"; seen with prefix caching, where protected blocks leave the window
+    few parked winners.) With a tier too small for the live losers, the oldest parked tokens make room, and
+    what still does not fit dies."""
     from kvsim import SimPool
 
     from vtoken.core.compactor import Compactor
     from vtoken.core.policies import make_policy
     from vtoken.core.records import RequestRecord
 
-    bs, pool, blocks = 4, SimPool(16), []
-    core = Compactor("vtoken", bs, pool, lambda rid: blocks, TierSlots(64))
-    st = core.add("r", RequestRecord("r", 0), make_policy("h2o", budget=8, sink=0, recent=0), prefill_len=24)
-    st.table.append(24)
-    blocks += pool.get_new_blocks(6)
-    core.evict(st, np.arange(4, 12), park=True)  # a chunk boundary parks 8 tokens
-    assert st.parked.size == 8 and st.table.num_live == 16
-    core.step += 1
-    live_slots = st.table.slot_of[st.table.live_logical()]
-    score = np.zeros(bs * len(blocks))
-    score[live_slots] = np.arange(16, dtype=float)  # live: the 8 lowest lose
-    stats = {ATTN_SUM: score, f"parked:{ATTN_SUM}": np.full(8, -1.0)}  # parked: every one loses
-    core._choose_with_parked(st, stats)
-    assert st.parked.size == 0 and st.table.num_live == 8
-    assert st.table.live_logical().tolist() == list(range(16, 24))  # the 8 lowest-scored live ones died
-    assert core.tier.num_free == 64
-    core.check_integrity()
+    for capacity, parked_after, died in ((64, 16, 0), (8, 8, 8)):
+        bs, pool, blocks = 4, SimPool(16), []
+        core = Compactor("vtoken", bs, pool, lambda rid, blocks=blocks: blocks, TierSlots(capacity))
+        st = core.add("r", RequestRecord("r", 0), make_policy("h2o", budget=8, sink=0, recent=0), prefill_len=24)
+        st.table.append(24)
+        blocks += pool.get_new_blocks(6)
+        core.evict(st, np.arange(4, 12), park=True)  # a chunk boundary parks 8 tokens
+        assert st.parked.size == 8 and st.table.num_live == 16
+        core.step += 1
+        live_slots = st.table.slot_of[st.table.live_logical()]
+        score = np.zeros(bs * len(blocks))
+        score[live_slots] = np.arange(16, dtype=float)  # live: the 8 lowest lose
+        stats = {ATTN_SUM: score, f"parked:{ATTN_SUM}": np.full(8, -1.0)}  # parked: every one loses
+        core._choose_with_parked(st, stats)
+        assert st.table.num_live == 8 and st.table.live_logical().tolist() == list(range(16, 24))
+        assert st.parked.size == parked_after and core.tier.num_free == capacity - parked_after
+        # a full tier freed the oldest parked tokens (4..11, parked first) for the live losers (0..3, 12..15)
+        assert sorted(st.parked.logical.tolist()) == (list(range(0, 16)) if capacity == 64 else
+                                                       [0, 1, 2, 3, 12, 13, 14, 15])  # fmt: skip
+        assert len(st.record.trace()["evicted_positions"]) == died
+        core.check_integrity()
 
 
 def test_the_tier_is_sized_from_host_memory_on_a_gpu(monkeypatch):
@@ -244,7 +249,7 @@ def test_the_tier_is_sized_from_host_memory_on_a_gpu(monkeypatch):
 
     monkeypatch.setattr(config_mod, "host_memory_bytes", lambda: 64 << 30)
     cfg = VTokenConfig()
-    assert cfg.tier_tokens(10_000, "cpu") == 20_000  # a CPU pool is host memory already: twice its tokens
+    assert cfg.tier_tokens(10_000, "cpu") == 40_000  # a CPU pool is host memory already: four times its tokens
     per_token = 128 << 10  # Llama-3.1-8B: 32 layers x 8 kv heads x 128 x 2 (K, V) x 2 bytes
     assert cfg.tier_tokens(10**6, "cuda", per_token) == (16 << 30) // per_token  # a quarter of 64 GiB
     assert cfg.tier_tokens(10**6, "cuda", per_token, ranks=2) == (8 << 30) // per_token  # shared by two ranks

@@ -90,10 +90,11 @@ def test_a_floor_holds_back_who_does_not_fit_sheds_less_and_stays_exact():
     floored = engine({**CFG, "evict": "pressure", "park_tokens": 4096, "pressure_floor": 0.9}, **SHORT)
     plain = short("pressure")
     assert floored.stats["peak_running"] < plain.stats["peak_running"], (floored.stats, plain.stats)
-    died = {m: sum(len(t["evicted_positions"]) for t in r.trace) for m, r in (("floor", floored), ("plain", plain))}
-    assert died["floor"] < died["plain"], died
+    # tokens given up at sheds (parked in the tier, so not dead: recall and re-inflation may bring them back)
+    shed = {m: sum(t.get("shed_tokens", 0) for t in r.trace) for m, r in (("floor", floored), ("plain", plain))}
+    assert shed["floor"] < shed["plain"], shed
     assert floored.metrics["vllm:num_preemptions"] == 0
-    assert floored.tokens != plain.tokens or died["floor"] == 0
+    assert floored.tokens != plain.tokens or shed["floor"] == 0
     check_exact(floored)
 
 
@@ -109,8 +110,8 @@ def test_a_request_s_own_floor_is_the_engine_s_floor_for_it():
     assert own.stats["peak_running"] == floored.stats["peak_running"]
     assert [t["evicted_positions"] for t in own.trace] == [t["evicted_positions"] for t in floored.trace]
     half = engine(cfg, options=(ask, None) * (SHORT["n"] // 2), **SHORT)
-    died = [len(t["evicted_positions"]) for t in half.trace]
-    asked, others = sum(died[0::2]), sum(died[1::2])
+    shed = [t.get("shed_tokens", 0) for t in half.trace]
+    asked, others = sum(shed[0::2]), sum(shed[1::2])
     assert others > 0 and asked < others, (asked, others)
     assert half.metrics["vllm:num_preemptions"] == 0
     check_exact(half)

@@ -29,7 +29,14 @@ def test_saturated_tier_only_for_park_and_pressure(monkeypatch):
         rec = {"mean_retained_blocks": 1, "peak_retained_blocks": 1, "mean_naive_retained_blocks": 1,
                "peak_naive_retained_blocks": 1, "peak_over_bound": 0}  # fmt: skip
         return {
-            retrieval.label(*c): {"texts": ["x"], "records": [rec], "preempted": 0, "queued": 0, "most_in_flight": 1}
+            retrieval.label(*c): {
+                "texts": ["x"],
+                "records": [rec],
+                "preempted": 0,
+                "queued": 0,
+                "most_in_flight": 1,
+                "engine": {},
+            }
             for c in configs
         }
 
@@ -68,7 +75,7 @@ def test_request_floor_asks_every_other_prompt_in_pressure_runs_and_scores_each_
                    "peak_naive_retained_blocks": 1, "peak_over_bound": 0}  # fmt: skip
             served = [SimpleNamespace(last_token_ts=1.0, scheduled_ts=0.0, output_tokens=[], record=rec,
                                       preemptions=0) for _ in prompts]  # fmt: skip
-            return SimpleNamespace(served=served)
+            return SimpleNamespace(served=served, seconds=1.0, output_tokens=0, engine={"recalls": 2})
 
     answers = iter(["7", "0", "7", "7"] * 2)
     monkeypatch.setattr(retrieval, "Engine", FakeEngine)
@@ -84,3 +91,4 @@ def test_request_floor_asks_every_other_prompt_in_pressure_runs_and_scores_each_
     assert [out[k]["hits"] for k in ("snapkv@0.25:pressure", "snapkv@0.25:pressure, asks 0.5",
                                      "snapkv@0.25:pressure, the rest")] == [3, 2, 1]  # fmt: skip
     assert "snapkv@0.25:always, asks 0.5" not in out
+    assert out["snapkv@0.25:pressure"]["recall"]["recalls"] == 2, "what recall did in the run is reported"

@@ -19,7 +19,7 @@ CONFIG_KEY = "vtoken"
 REQUEST_KEYS = frozenset(
     {
         "policy", "budget", "interval", "sink", "recent", "seed", "policy_params", "prefill_evict", "prefill_window",
-        "evict", "pressure_floor",
+        "evict", "pressure_floor", "recall_every",
     }
 )  # fmt: skip
 
@@ -100,12 +100,30 @@ class VTokenConfig(BaseModel):
     )
     park_tokens: int | Literal["auto"] = Field(
         "auto",
-        description="tokens of the parking tier, outside the KV pool (host memory): what a prefill chunk boundary "
-        "drops waits there, the prompt's last chunk attends the live and the parked tokens, and the tokens kept are "
-        "chosen among both by its window (the question); attention policies (h2o, scissorhands, snapkv). auto (the "
-        "default): on a CPU twice the tokens the KV pool holds; on a GPU pinned host memory, park_host_memory of "
-        "the machine's memory (shared by its tensor-parallel ranks), at most four times the pool's tokens. 0: no "
-        "tier, what a boundary drops is lost; a full tier loses what does not fit",
+        description="tokens of the parking tier, outside the KV pool (host memory): every token a request gives up "
+        "(a prefill chunk boundary, a shed, a decode decision) waits there; the prompt's last chunk attends the "
+        "live and the parked tokens, the tokens kept are chosen among both by its window (the question), and while "
+        "decoding they come back by recall (recall_every) or when the pool has room again; attention policies "
+        "(h2o, scissorhands, snapkv). Admission reserves what each request may park. auto (the default): on a CPU "
+        "four times the tokens the KV pool holds; on a GPU pinned host memory, park_host_memory of the machine's "
+        "memory (shared by its tensor-parallel ranks), at most four times the pool's tokens. 0: no tier, what is "
+        "given up is lost; a full tier frees its oldest parked tokens first",
+    )
+    recall_every: int = Field(
+        16,
+        ge=0,
+        le=1 << 20,
+        description="recall while decoding: a request with parked tokens has its window of recent decode queries "
+        "scored over its live and parked keys every this many decode steps (and at each of its decisions), and "
+        "chooses again among both: parked winners come back into the pool, live losers park. 0: never (what is "
+        "parked comes back only with the question, or when the pool has room again). Needs the tier and a policy "
+        "that scores a window (snapkv, the default)",
+    )
+    recall_exact: bool = Field(
+        False,
+        description="recall scores every parked token exactly (reads all their keys) instead of first bounding "
+        "their pages with min/max key boxes and scoring only the best pages' tokens (the summary path, what a GPU "
+        "reads over PCIe); tests and benchmarks compare the two",
     )
     park_host_memory: float = Field(
         0.25,
@@ -135,7 +153,7 @@ class VTokenConfig(BaseModel):
         if self.park_tokens != "auto":
             return int(self.park_tokens)
         if device == "cpu":
-            return 2 * pool_tokens
+            return 4 * pool_tokens
         if token_bytes <= 0:
             return 0
         host = int(host_memory_bytes() * self.park_host_memory) // (token_bytes * max(ranks, 1))

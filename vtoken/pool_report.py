@@ -34,6 +34,13 @@ class PoolReport(NamedTuple):
     # Work left in tokens: what running requests have still to read of their prompts and to generate (up to
     # their max_tokens), a measure of how long the replica stays busy that counts a long request as long.
     tokens_to_go: int = 0
+    # The parking tier (host memory): tokens parked now, its size, and since the engine started the tokens brought
+    # back while decoding (recall), recalls made, and parked bytes read to score them.
+    parked_tokens: int = 0
+    tier_tokens: int = 0
+    tokens_recalled_total: int = 0
+    recalls_total: int = 0
+    recall_bytes_total: int = 0
 
     @classmethod
     def from_wire(cls, fields) -> PoolReport:

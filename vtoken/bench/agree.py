@@ -74,8 +74,9 @@ def bare_prompt(tok, case: Case) -> list[int]:
     return encode(tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
-def build(tok, lengths=(1024, 2048), depths: int = 20, seed: int = 0) -> list[Case]:
-    """``depths`` prompts per length, the asked entry's depth spread evenly over 10%..90%."""
+def build(tok, lengths=(1024, 2048), depths: int = 20, seed: int = 0, ask=None) -> list[Case]:
+    """``depths`` prompts per length, the asked entry's depth spread evenly over 10%..90%. ``ask(tok, document,
+    name)``: the prompt's text (default ``render``: the one-sentence question; the long-reply suite asks more)."""
     rng = np.random.default_rng(seed)
     entries = [e.strip() for e in release_notes().split("\n\n") if e.strip()]
     sizes = [len(encode(tok, e)) + 2 for e in entries]  # + the blank line
@@ -83,12 +84,12 @@ def build(tok, lengths=(1024, 2048), depths: int = 20, seed: int = 0) -> list[Ca
     for length in lengths:
         for depth in np.linspace(0.1, 0.9, depths):
             start = (len(out) * 53) % len(entries)
-            out.append(_case(tok, entries, sizes, rng, length, float(depth), start))
+            out.append(_case(tok, entries, sizes, rng, length, float(depth), start, ask or render))
     return out
 
 
-def _case(tok, entries, sizes, rng, length: int, depth: float, start: int) -> Case:
-    room = length - len(encode(tok, render(tok, "", "x" * 12)))
+def _case(tok, entries, sizes, rng, length: int, depth: float, start: int, ask=render) -> Case:
+    room = length - len(encode(tok, ask(tok, "", "x" * 12)))
     doc, used, j = [], 0, start
     while used < room:  # whole entries from ``start`` (wrapping), the last one cut to fit
         entry, size = entries[j % len(entries)], sizes[j % len(entries)]
@@ -106,7 +107,7 @@ def _case(tok, entries, sizes, rng, length: int, depth: float, start: int) -> Ca
             if names:
                 name = names[int(rng.integers(len(names)))]
                 real = float((cum[k] + cum[k + 1]) / 2 / cum[-1])  # the asked entry's middle
-                return Case("agree", length, real, name, "", encode(tok, render(tok, text, name)))
+                return Case("agree", length, real, name, "", encode(tok, ask(tok, text, name)))
     raise ValueError("no entry of this document has a name that occurs once")
 
 

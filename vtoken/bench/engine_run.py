@@ -118,12 +118,14 @@ class Engine:
             )
             for o in options
         ]
-        if self.cfg["mode"] != "off":
-            vtoken_stats(self.llm, reset=True)
+        before = vtoken_stats(self.llm, reset=True) if self.cfg["mode"] != "off" else {}
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
         seconds = time.perf_counter() - t0
         stats = vtoken_stats(self.llm, reset=True) if self.cfg["mode"] != "off" else {}
+        for key in COUNTERS:  # the engine's counters grow over its life: this batch's share
+            if key in stats and key in before:
+                stats[key] -= before[key]
         finished = {r["request_id"]: r for r in stats.get("finished_requests", [])}
         served = []
         for o in outs:
@@ -141,6 +143,14 @@ class Engine:
             )
         engine = {k: v for k, v in stats.items() if k not in ("requests", "finished_requests")}
         return Batch(seconds, served, engine)
+
+
+# vtoken_stats counters that grow over an engine's life (a batch reports its own share).
+COUNTERS = (
+    "compaction_seconds", "move_seconds", "score_seconds", "bytes_moved", "tokens_moved", "tokens_evicted",
+    "tokens_parked", "tokens_restored", "tokens_recalled", "tokens_reinflated", "tokens_dropped_full", "recalls",
+    "recall_bytes", "recall_seconds", "blocks_freed", "preemptions_seen", "preemptions_in_prefill",
+)  # fmt: skip
 
 
 def real_prompts(model_dir: str, n: int, tokens: int | list[int], offset: int = 0) -> list[list[int]]:

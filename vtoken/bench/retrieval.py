@@ -29,6 +29,7 @@ import json
 
 import numpy as np
 
+from vtoken.bench import longreply
 from vtoken.bench.agree import agreement, bare_prompt, question
 from vtoken.bench.engine_run import Engine, log
 from vtoken.bench.needles import wilson
@@ -62,7 +63,20 @@ def add_args(p) -> None:
     p.add_argument("--request-floor", type=float, default=0.0,
                    help="saturated pressure runs: every other prompt asks this pressure_floor for itself "
                    "(request_args), the rest keep the engine's; each half is also scored on its own")  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (niah 12, multi 16, agree 32)")
+    p.add_argument(
+        "--recall-every",
+        type=int,
+        default=None,
+        help="decode steps between a decoding request's recalls (0: none; default: VTokenConfig's)",
+    )
+    p.add_argument(
+        "--recall-exact",
+        action="store_true",
+        help="recall scores every parked token exactly (default: page boxes first, then the best pages)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="tokens per reply (niah 12, multi 16, agree 32, longreply 256)"
+    )
     controls = "agree: also the question without its document, and full KV in bf16, scored the same way"
     p.add_argument("--controls", action="store_true", help=controls)
     p.add_argument("--no-full", action="store_true", help="skip the full-KV run (when merging with a run that has it)")
@@ -91,6 +105,10 @@ def options(policy: str, budget: float, mode: str, window: int, floor: float | N
 def _engine_cfg(args, park: bool) -> dict:
     cfg = {"policy": "h2o", "collect_scores": True, "prefill_chunk": args.prefill_chunk,
            "pressure_floor": args.pressure_floor}  # fmt: skip
+    if getattr(args, "recall_every", None) is not None:
+        cfg["recall_every"] = args.recall_every
+    if getattr(args, "recall_exact", False):
+        cfg["recall_exact"] = True
     return {**cfg, "park_tokens": args.park_tokens if park else 0}
 
 
@@ -121,6 +139,7 @@ def _serve(e: Engine, cases, configs: list[tuple[str, float, str]], args, floors
     most = _most_in_flight([(s.scheduled_ts, s.last_token_ts) for s in b.served])
     for r in out.values():
         r["most_in_flight"] = most
+        r["engine"] = {"seconds": b.seconds, "decoded_tokens": b.output_tokens, **b.engine}
     return out
 
 
@@ -147,10 +166,14 @@ def _score(cases, texts: list[str], records: list[dict] | None = None, suite: Su
     out = {"hits": int(sum(hits)), "n": len(hits), "accuracy": sum(hits) / len(hits), "ci95": [lo, hi],
            "by_task": {k: f"{sum(v)}/{len(v)}" for k, v in by.items()}, "answers": texts}  # fmt: skip
     if suite.needs_full:
-        f1 = np.array([agreement(t, f, question(c)) for c, t, f in zip(cases, texts, full)])
+        ask = longreply.question if suite.name == "longreply" else question
+        f1 = np.array([agreement(t, f, ask(c)) for c, t, f in zip(cases, texts, full)])
         half = 1.96 * f1.std(ddof=1) / np.sqrt(len(f1)) if len(f1) > 1 else 0.0
         out["agreement"] = {"mean": float(f1.mean()), "ci95": [float(f1.mean() - half), float(f1.mean() + half)],
                             "per_prompt": f1.round(3).tolist()}  # fmt: skip
+        if suite.name == "longreply":
+            parted = [longreply.parted_at(t, f) for t, f in zip(texts, full)]
+            out["parted_at"] = {"median": float(np.median(parted)), "per_prompt": parted}
     if records and all(records):
 
         def mean(key: str) -> float:
@@ -288,6 +311,7 @@ def _saturated(args, folder, tok, cases, kw, full: list[str] | None = None) -> d
                 out[label(*c)]["preemptions"] = r["preempted"]
                 out[label(*c)]["queued"] = r["queued"]
                 out[label(*c)]["most_in_flight"] = r["most_in_flight"]
+                out[label(*c)]["recall"] = recall_figures(r["engine"])
                 if floors:  # the same run, each half on its own: the prompts that asked a floor, and the rest
                     for name, half in (
                         (f"{label(*c)}, asks {ask:g}", slice(0, None, 2)),
@@ -299,6 +323,26 @@ def _saturated(args, folder, tok, cases, kw, full: list[str] | None = None) -> d
                         log(f"[retrieval] saturated {name}: {out[name]['hits']}/{out[name]['n']}")
                 log(f"[retrieval] saturated {label(*c)}: {out[label(*c)]['hits']}/{len(cases)}")
     return {k: out[k] for c in configs for k in out if k == label(*c) or k.startswith(f"{label(*c)}, ")}
+
+
+def recall_figures(engine: dict) -> dict:
+    """What recall did in a run (the engine's counters for its batch): recalls, tokens recalled and brought back
+    when the pool had room again, parked bytes read to score recalls (per decoded token), and the host time
+    scoring them as a share of the run's time."""
+    decoded = max(engine.get("decoded_tokens", 0), 1)
+    seconds = engine.get("seconds", 0.0)
+    return {
+        "recalls": engine.get("recalls", 0),
+        "tokens_recalled": engine.get("tokens_recalled", 0),
+        "tokens_reinflated": engine.get("tokens_reinflated", 0),
+        "tokens_parked": engine.get("tokens_parked", 0),
+        "tokens_dropped_full": engine.get("tokens_dropped_full", 0),
+        "recall_bytes_per_decoded_token": engine.get("recall_bytes", 0) / decoded,
+        "recall_seconds": engine.get("recall_seconds", 0.0),
+        "recall_share_of_run": engine.get("recall_seconds", 0.0) / seconds if seconds else 0.0,
+        "run_seconds": seconds,
+        "decoded_tokens": engine.get("decoded_tokens", 0),
+    }
 
 
 def settings(args, cases) -> dict:
@@ -325,6 +369,8 @@ def settings(args, cases) -> dict:
         "request_floor": getattr(args, "request_floor", 0.0),
         "budgets": [float(b) for b in args.budgets.split(",")],
         "max_tokens": args.max_tokens,
+        "recall_every": getattr(args, "recall_every", None),
+        "recall_exact": getattr(args, "recall_exact", False),
     }
 
 
@@ -341,6 +387,8 @@ def _title(result: dict) -> str:
         "niah": f"{', '.join(result['tasks'])}, needles at 5-95% depth",
         "multi": "3 look-alike keys, question before and after the text, chat template, needles at 10-90% depth",
         "agree": "questions over release notes at 10-90% depth, a hit = content-word F1 >= 0.5 with full KV's reply",
+        "longreply": "256-token retellings of release notes from an entry at 10-90% depth, a hit = content-word F1 "
+        ">= 0.5 with full KV's reply",
     }[sw["name"]]
     return (f"Suite {sw['name']}, {sw['role']} ({result['model']}, {result['prompts']} prompts at "
             f"{', '.join(map(str, result['lengths']))} tokens: {what}; prompts read in chunks of "
@@ -385,12 +433,25 @@ def tables(result: dict) -> list[Table]:
                          "mean F1 (95% CI)"], crows))  # fmt: skip
     if result.get("saturated"):
         sat = result["saturated"].items()
-        srows = [[n, _acc(r), f"{r['blocks']['peak']:.1f}", r["blocks"]["max_over_bound"], r["preemptions"],
-                  r.get("queued", "-"), r.get("most_in_flight", "-")] for n, r in sat]  # fmt: skip
-        cols = ["configuration", "hits (95% CI)", "blocks peak", "over bound", "preemptions", "queued", "most at once"]
+        srows = []
+        for n, r in sat:
+            rc = r.get("recall") or {}
+            srows.append([n, _acc(r), _f1(r), (r.get("parted_at") or {}).get("median", "-"),
+                          f"{r['blocks']['peak']:.1f}", r["blocks"]["max_over_bound"], r["preemptions"],
+                          r.get("queued", "-"), r.get("most_in_flight", "-"), rc.get("recalls", "-"),
+                          rc.get("tokens_recalled", "-"), rc.get("tokens_reinflated", "-"),
+                          f"{rc['recall_bytes_per_decoded_token']:.0f}" if rc else "-",
+                          f"{100 * rc['recall_share_of_run']:.1f}%" if rc else "-"])  # fmt: skip
+        cols = ["configuration", "hits (95% CI)", "mean F1 with full KV", "parted at (words, median)", "blocks peak",
+                "over bound", "preemptions", "queued", "most at once", "recalls", "tokens recalled",
+                "tokens back when room", "recall bytes / decoded token", "recall's share of the run"]  # fmt: skip
         out.append(Table("The same prompts all at once into a small pool (saturation)", cols, srows,
                          "queued: requests first scheduled after another request had finished; most at once: the "
-                         "most requests between first scheduling and last token at one moment."))  # fmt: skip
+                         "most requests between first scheduling and last token at one moment; recalls: choices among "
+                         "live and parked tokens while decoding; tokens back when room: parked tokens returned "
+                         "once the pool had room and nothing waited; recall bytes: parked keys and page boxes read "
+                         "to score recalls; recall's share: the host time scoring them over the run's time "
+                         "(prefill included)."))  # fmt: skip
     return out
 
 

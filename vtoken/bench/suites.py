@@ -1,9 +1,10 @@
-"""The three suites ``vtoken bench retrieval --suite`` serves, by name: one to tune on, two held out.
+"""The suites ``vtoken bench retrieval --suite`` serves, by name: one to tune on, three held out.
 
 Every parameter of eviction (the pooling window, the prefill window, the watermark, the tier's size, the
-default mode) is chosen on ``niah`` alone; ``multi`` and ``agree`` only report. A suite builds its prompts
-(``needles.Case``, token ids of the model's tokenizer) and says whether a reply counts; ``agree`` counts a
-reply by full KV's reply to the same prompt, so it needs full KV in the same run.
+default mode, recall's cadence) is chosen on ``niah`` alone; ``multi``, ``agree`` and ``longreply`` only report.
+A suite builds its prompts (``needles.Case``, token ids of the model's tokenizer) and says whether a reply counts;
+``agree`` and ``longreply`` count a reply by full KV's reply to the same prompt, so they need full KV in the same
+run (or its replies from an earlier one, ``--reference``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from vtoken.bench import agree, multi, needles
+from vtoken.bench import agree, longreply, multi, needles
 from vtoken.bench.needles import Case
 
 
@@ -49,6 +50,11 @@ SUITES = {
         f"content-word F1 with full KV's reply to the same question >= {agree.THRESHOLD}",
         agree.build, lambda c, reply, full: agree.agrees(reply, full, agree.question(c)), True, "1024,2048", 20,
         32, needs_full=True,
+    ),
+    "longreply": Suite(
+        "longreply", False, "IDLE's release notes (as agree), a long answer asked",
+        f"content-word F1 with full KV's 256-token reply >= {longreply.THRESHOLD}; and the first word where they part",
+        longreply.build, longreply.hit, True, "1024,2048", 10, 256, needs_full=True,
     ),
 }  # fmt: skip
 

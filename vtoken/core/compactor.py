@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vtoken.core.budget import forward_bound
+from vtoken.core.budget import forward_bound, kept_tokens
 from vtoken.core.move_batch import MoveBatch
 from vtoken.core.packing import kill_and_pack
 from vtoken.core.park import TierSlots
@@ -80,6 +80,7 @@ class ScoreAsk(NamedTuple):
     parked: np.ndarray | None = None  # tier slots scored with the live keys in one softmax (the last chunk)
     record: bool = False  # keep this decode step's query in the request's window (on-demand policies)
     window: tuple[str, ...] = ()  # score the window of recent queries after the forward, and send these back
+    window_parked: np.ndarray | None = None  # recall: the window is scored over these tier slots too
 
 
 class StepPlan(NamedTuple):
@@ -88,6 +89,8 @@ class StepPlan(NamedTuple):
     gaps: dict[str, int]  # request -> logical - physical length, where it changed
     park: MoveBatch = MoveBatch.empty()  # pool slot -> tier slot, read before this step's moves
     restore: MoveBatch = MoveBatch.empty()  # tier slot -> pool slot, written after this step's moves
+    tier_freed: np.ndarray = np.empty(0, np.int64)  # tier slots given back this step (the worker's boxes follow)
+    set_blocks: dict[str, list[int]] = {}  # request -> its whole block list, where blocks were added (re-inflation)
 
 
 class CoreReport(NamedTuple):
@@ -102,6 +105,20 @@ class CoreReport(NamedTuple):
     tokens_moved: int
     compaction_seconds: float
     preemptions: int
+    parked_tokens: int = 0  # in the tier now
+    tier_tokens: int = 0  # the tier's size (0: none)
+    tokens_recalled: int = 0  # counters since the engine started
+    recalls: int = 0
+    recall_bytes: int = 0
+
+
+class Restore(NamedTuple):
+    """Parked tokens coming back into the pool: their logical positions, tier slots and the forwards that parked
+    them (taken out of ``Parked`` already)."""
+
+    logical: np.ndarray
+    tier: np.ndarray
+    at_forward: np.ndarray
 
 
 class CompactorError(RuntimeError):
@@ -148,16 +165,22 @@ class Compactor:
         window: int = 32,
         pressure: bool = False,
         floor: float | None = None,
+        recall_every: int = 0,
+        max_len: int = 0,
     ) -> RequestState:
-        """``floor``: the request's own ``pressure_floor`` (None: the engine's); only pressure mode has one."""
+        """``floor``: the request's own ``pressure_floor`` (None: the engine's); only pressure mode has one.
+        ``max_len``: its tokens at the longest (prompt and max_tokens; 0: its prompt), what it may park follows.
+        ``recall_every``: decode steps between its recalls (with a tier and a window policy; 0: never)."""
         if request_id in self.states:
             raise CompactorError(f"request {request_id} added twice")
-        schedule = Schedule.of(policy, prefill_evict, window, eager=pressure, block_size=self.bs)
+        recall = recall_every if self.tier is not None else 0
+        schedule = Schedule.of(policy, prefill_evict, window, eager=pressure, block_size=self.bs, recall_every=recall)
         phase = Phase.KEEPING if pressure else Phase.READING  # "always": keeps to its budget from the start
         st = RequestState(
             request_id, policy, TokenTable(self.bs), record, int(prefill_len), prefill_evict, window, schedule, phase
         )
         st.floor = float(self.floor if floor is None else floor) if pressure else 0.0
+        st.tier_need = self.tier_need(policy, max(max_len, prefill_len))
         self.states[request_id] = st
         return st
 
@@ -174,6 +197,8 @@ class Compactor:
         outputs_at_start: int = 0,
         logprobs: bool = False,
         floor: float | None = None,
+        recall_every: int = 0,
+        max_len: int = 0,
     ) -> RequestState:
         """A request's first forward (new, or resumed after a preemption: it recomputes ``prefill_len`` tokens,
         prompt and outputs so far, before it samples again). ``caller_id``: the id its trace and records carry.
@@ -191,7 +216,8 @@ class Compactor:
         record.earlier = earlier
         if logprobs:
             record.logprobs = so_far if so_far is not None else []
-        return self.add(request_id, record, policy, prefill_len, prefill_evict, window, pressure, floor)
+        return self.add(request_id, record, policy, prefill_len, prefill_evict, window, pressure, floor, recall_every,
+                        max_len)  # fmt: skip
 
     def remove(
         self, request_id: str, finished: bool, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
@@ -215,9 +241,12 @@ class Compactor:
                 **fields}  # fmt: skip
 
     def _forget(self, st: RequestState, finished: bool) -> None:
-        if st.parked.size:  # preempted (or ended) while reading its prompt: its parked tokens are gone
-            self.tier.give(st.parked.tier)
-            st.parked.clear()
+        if st.parked.size:  # finished or preempted with tokens parked: hidden since they were parked, now gone
+            if st.request_id in self.failed:
+                self.tier.give(st.parked.tier)
+                st.parked.clear()
+            else:
+                self._discard(st, np.arange(st.parked.size))
         if finished:
             if st.request_id not in self.failed:  # a failed request's record may be half updated: not counted
                 st.record.finish(st.table, len(self.blocks_of(st.request_id)), len(st.ballast))
@@ -350,9 +379,17 @@ class Compactor:
         self.totals.compaction_seconds += seconds
 
     def note_worker(
-        self, move_seconds: float, bytes_moved: int, tokens_moved: int = 0, score_seconds: float = 0.0
+        self,
+        move_seconds: float,
+        bytes_moved: int,
+        tokens_moved: int = 0,
+        score_seconds: float = 0.0,
+        recall_bytes: int = 0,
+        recall_seconds: float = 0.0,
     ) -> None:
         """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
+        self.totals.recall_bytes += recall_bytes
+        self.totals.recall_seconds += recall_seconds
         self.totals.score_seconds += score_seconds
         self.totals.move_seconds += move_seconds
         self.totals.bytes_moved += bytes_moved
@@ -365,6 +402,8 @@ class Compactor:
         for rid, st in self.states.items():
             reqs[st.record.request_id] = st.record.snapshot(st.table, len(self.blocks_of(rid)), len(st.ballast))
         out = {"requests": reqs, **self.totals.summary(reqs, self.bs)}
+        out["parked_tokens"] = sum(st.parked.size for st in self.states.values())
+        out["tier_tokens"] = self.tier.capacity if self.tier is not None else 0
         if reset:
             self.totals.peak_running = running
             self.totals.finished.clear()
@@ -374,8 +413,10 @@ class Compactor:
         live, retained, naive = self.pool_totals()
         admitted = tuple(sorted(st.record.request_id for st in self.states.values()))
         t = self.totals
+        parked = sum(st.parked.size for st in self.states.values())
         return CoreReport(live, retained, naive, admitted, t.blocks_freed, t.tokens_evicted, t.tokens_moved,
-                          t.compaction_seconds, t.preemptions)  # fmt: skip
+                          t.compaction_seconds, t.preemptions, parked, self.tier.capacity if self.tier else 0,
+                          t.tokens_recalled, t.recalls, t.recall_bytes)  # fmt: skip
 
     # ---------------------------------------------------------------- before vLLM schedules
     def plan_step(self, progress: Iterable[Progress], waiting: Sequence[int] = (), watermark: int = 0) -> StepPlan:
@@ -399,6 +440,8 @@ class Compactor:
                 stats = fresh[st.request_id]
                 if st.phase is Phase.CHOOSING:
                     batch = self._choose_with_parked(st, stats)
+                elif self._recalls(st, stats):
+                    batch = self._recall(st, stats, p.num_output)
                 elif st.phase is Phase.KEEPING:
                     continue  # pressure mode: keeps every token until the pool runs short
                 else:
@@ -410,6 +453,11 @@ class Compactor:
         if shortfall > 0:
             for st, batch in self._shed(todo, fresh, shortfall):
                 moves[st.request_id] = batch
+        set_blocks: dict[str, list[int]] = {}
+        if shortfall <= 0 and not waiting and self.tier is not None and self.mode == "vtoken":
+            for st, batch in self._reinflate(todo, watermark):
+                moves[st.request_id] = batch
+                set_blocks[st.request_id] = [b.block_id for b in self.blocks_of(st.request_id)]
         if self.mode == "naive":
             for p, st in todo:
                 with self.isolated(st.request_id):
@@ -426,7 +474,53 @@ class Compactor:
             gaps,
             MoveBatch.concat([b for rid, b in self._park if rid not in self.failed]),
             MoveBatch.concat([b for rid, b in self._restore if rid not in self.failed]),
+            self.tier.drain_freed() if self.tier is not None else np.empty(0, np.int64),
+            {rid: b for rid, b in set_blocks.items() if rid not in self.failed},
         )
+
+    def _reinflate(self, todo, watermark: int):
+        """The pool has room beyond the watermark and nothing waits: pressure-mode requests that have read their
+        prompts get parked tokens back, the best first (their latest scores; across requests), into blocks taken
+        from the pool for them, as many as the room holds beside every running request's next forward, so a
+        pressure spell stops costing answers once it ends. (A request in ``always`` mode keeps to its budget: its
+        bound is what its user asked for.) Returns (request, its moves) for each."""
+        keepers = [(p, st) for p, st in todo if st.phase is Phase.KEEPING and not st.in_prefill and st.parked.size
+                   and st.compacted_at != self.step and st.request_id not in self.failed]  # fmt: skip
+        if not keepers:
+            return []
+        spare = self.pool.get_num_free_blocks() - watermark - sum(self._need(st, p.next_tokens) for p, st in todo)
+        if spare <= 0:
+            return []
+        owner = np.concatenate([np.full(st.parked.size, i) for i, (_, st) in enumerate(keepers)])
+        index = np.concatenate([np.arange(st.parked.size) for _, st in keepers])
+        score = np.concatenate([st.parked.score for _, st in keepers])
+        order = np.lexsort((index, owner, -score))  # best first; ties: the request first, then the oldest parked
+        owner, index = owner[order], index[order]
+        # the c-th token taken for a request needs a new block when it lands at the start of one past its blocks
+        by_owner = np.argsort(owner, kind="stable")
+        rank = np.empty(owner.size, np.int64)
+        starts = np.searchsorted(owner[by_owner], np.arange(len(keepers)))
+        rank[by_owner] = np.arange(owner.size) - np.repeat(starts, np.diff(np.append(starts, owner.size)))
+        phys = np.array([st.table.physical_len for _, st in keepers])[owner]
+        room = np.array([len(self.blocks_of(st.request_id)) * self.bs for _, st in keepers])[owner]
+        at = phys + rank  # the slot the token lands in
+        new_block = (at >= room) & ((at - room) % self.bs == 0)
+        taken = np.cumsum(new_block) <= spare
+        done = []
+        for i, (p, st) in enumerate(keepers):
+            mine = index[taken & (owner == i)]
+            if not mine.size:
+                continue
+            with self.isolated(st.request_id):
+                blocks = self.blocks_of(st.request_id)
+                need = -(-(st.table.physical_len + mine.size) // self.bs) - len(blocks)
+                if need > 0:
+                    blocks.extend(self.pool.get_new_blocks(need))
+                back = Restore(st.parked.logical[mine], st.parked.tier[mine], st.parked.at_forward[mine])
+                st.parked.drop(mine)
+                self.totals.tokens_reinflated += int(mine.size)
+                done.append((st, self._compact(st, np.empty(0, np.int64), p.num_output, park=False, restore=back)[0]))
+        return done
 
     def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
         """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
@@ -444,6 +538,24 @@ class Compactor:
             reserved += reserved_blocks(length, st.keep(length), st.floor, 1, self.bs)
         need = [reserved_blocks(n, keep, floor, 1, self.bs) for n, keep, floor in waiting]
         return admissible(reserved, need, self.pool.num_gpu_blocks - 1 - watermark - -(-chunk // self.bs))
+
+    def tier_admissible(self, waiting: Sequence[int]) -> int | None:
+        """How many of the waiting requests, in order, the parking tier admits: each reserves what it may park at
+        most (``waiting[i]``: its tokens at its longest less what its budget keeps of them; ``RequestState.
+        tier_need`` for the running ones), so a request is never admitted into a tier that cannot hold what it
+        will park (when it is full anyway, the oldest parked tokens go first: ``_make_room``). None without a tier.
+        With nothing running the first is admitted whatever it reserves (shedding.admissible)."""
+        if self.tier is None:
+            return None
+        reserved = sum(st.tier_need for st in self.states.values())
+        return admissible(reserved, [min(n, self.tier.capacity) for n in waiting], self.tier.capacity)
+
+    def tier_need(self, policy: EvictionPolicy, max_len: int) -> int:
+        """What a request may park at most: its tokens at its longest less what its budget keeps (0 without a tier,
+        or for a policy that scores nothing and so parks nothing)."""
+        if self.tier is None or not policy.needs:
+            return 0
+        return max(0, int(max_len) - kept_tokens(int(max_len), policy.budget, policy.sink, policy.recent))
 
     def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
         """Blocks the waiting requests' first forwards need, plus the watermark, beyond the free ones."""
@@ -463,7 +575,7 @@ class Compactor:
         victims = self._decide(st, p.num_output, stats)
         if victims.size == 0:
             return None
-        park = self.tier is not None and st.phase.parks() and bool(st.policy.needs)
+        park = self.tier is not None and bool(st.policy.needs)
         return self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
 
     def _shed(self, todo, fresh, shortfall: int):
@@ -488,9 +600,10 @@ class Compactor:
             with self.isolated(st.request_id):
                 if st.record.shed_at < 0:
                     st.record.shed_at = st.record.forwards
+                st.record.shed_tokens += int(count)
                 logger.debug("vtoken: request %s sheds %d tokens (the pool is %d blocks short)", st.request_id,
                              count, shortfall)  # fmt: skip
-                park = self.tier is not None and st.in_prefill and bool(st.policy.needs)
+                park = self.tier is not None and bool(st.policy.needs)
                 victims = np.sort(ranked[:count])
                 batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
             if batch is not None:
@@ -529,10 +642,30 @@ class Compactor:
         if new:
             st.table.append(new)
         n = st.table.num_logical
-        if st.phase in (Phase.READING, Phase.KEEPING) and st.schedule.chooses(st.parked.size > 0, n, st.prefill_len):
+        if (
+            st.phase in (Phase.READING, Phase.KEEPING)
+            and not st.chose
+            and st.schedule.chooses(self._parked_while_reading(st), n, st.prefill_len)
+        ):
             self._to(st, Phase.CHOOSING, f"the question read ({n} of {st.prefill_len}), {st.parked.size} parked")
         elif st.phase is Phase.READING and n >= st.prefill_len:
             self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
+
+    @staticmethod
+    def _recalls(st: RequestState, stats) -> bool:
+        """A decoding request whose window was just scored over its parked tokens too: it chooses again."""
+        return (
+            stats is not None
+            and "parked:slots" in stats
+            and not st.in_prefill
+            and st.phase in (Phase.DECODING, Phase.KEEPING)
+        )
+
+    @staticmethod
+    def _parked_while_reading(st: RequestState) -> bool:
+        """Tokens parked before the prompt's last forward (a shed at the boundary right after it is a decoding
+        request's): what the choice with the question chooses among."""
+        return bool((st.parked.at_forward < len(st.record.prefill_chunks)).any())
 
     def _decide(self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None) -> np.ndarray:
         excess = st.table.num_live - st.keep(st.table.num_logical)
@@ -574,18 +707,24 @@ class Compactor:
         return self._compact(st, victims, step, park)
 
     def _compact(
-        self, st: RequestState, victims: np.ndarray, step: int, park: bool, restore: np.ndarray | None = None
+        self, st: RequestState, victims: np.ndarray, step: int, park: bool, restore: Restore | None = None
     ) -> tuple[MoveBatch, int]:
+        """The one kill-park-pack-restore of a request in a step. ``park``: victims go to the tier (the oldest
+        parked tokens of any request make room when it is full, ``_make_room``; what still does not fit dies).
+        ``restore``: parked tokens coming back (already taken out of ``st.parked``), into the slots right after
+        the packed survivors: the request's blocks must hold them (``_reinflate`` adds blocks first)."""
         if st.compacted_at == self.step:
             raise CompactorError(f"request {st.request_id} compacted twice in step {self.step}")
         st.compacted_at = self.step
         blocks = self.blocks_of(st.request_id)
         ids = [b.block_id for b in blocks]
+        if restore is not None:  # their tier slots are free again: the worker fetches them before any park lands
+            self.tier.give(restore.tier)
         packed = kill_and_pack(st.table, victims, ids, self.bs, self._protected_blocks(st))
         holes, plan = packed.holes, packed.plan
-        tier = self.tier.take(len(victims)) if park else np.empty(0, np.int64)
+        tier = self._take_tier(len(victims)) if park and len(victims) else np.empty(0, np.int64)
         if tier.size:  # parked: hidden from the next forward on, kept in the tier
-            st.parked.add(victims[: tier.size], tier, st.record.forwards)
+            st.parked.add(victims[: tier.size], tier, st.record.forwards, self.step, step)
             self._park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
             self.totals.tokens_parked += int(tier.size)
         st.record.record_deaths(victims[tier.size :], step)
@@ -596,13 +735,12 @@ class Compactor:
         touched = np.unique(np.concatenate([holes, plan.src, plan.dst]) // self.bs)
         self.pool.evict_blocks({ids[i] for i in touched.tolist()})
         kept = plan.keep_blocks
-        if restore is not None and restore.size:  # parked survivors come back right after the packed survivors
-            slots = np.arange(plan.physical_len, plan.physical_len + restore.size)
-            st.table.revive(st.parked.logical[restore], slots)
-            self._restore.append(
-                (st.request_id, MoveBatch(st.parked.tier[restore], to_global_slots(slots, ids, self.bs)))
-            )
-            st.record.record_restored(st.parked.logical[restore], st.parked.at_forward[restore])
+        if restore is not None and restore.logical.size:  # back right after the packed survivors
+            slots = np.arange(plan.physical_len, plan.physical_len + restore.logical.size)
+            st.table.revive(restore.logical, slots)
+            self._restore.append((st.request_id, MoveBatch(restore.tier, to_global_slots(slots, ids, self.bs))))
+            st.record.record_restored(restore.logical, restore.at_forward)
+            self.totals.tokens_restored += int(restore.logical.size)
             kept = -(-st.table.physical_len // self.bs)
         # Blocks past the packed length are empty now; the engine adds back the block the next token needs.
         freed = blocks[kept:]
@@ -617,43 +755,105 @@ class Compactor:
         self.totals.tokens_moved += plan.num_moves
         return packed.moves, kept
 
+    def _take_tier(self, n: int) -> np.ndarray:
+        """Up to ``n`` tier slots; when the tier has fewer free, the oldest parked tokens of any request are freed
+        for good to make room (tokens parked in this very step are not: their copies are already planned)."""
+        short = n - self.tier.num_free
+        if short > 0:
+            self._make_room(short)
+        return self.tier.take(n)
+
+    def _make_room(self, n: int) -> None:
+        """The tier is full: free the ``n`` oldest parked tokens (by ``Parked.seq``, across requests; ties: the
+        request admitted first), each evicted from the forward that parked it. One rule for what leaves the tier."""
+        who, idx, seq = [], [], []
+        for st in self.states.values():
+            old = np.flatnonzero(st.parked.seq < self.step)
+            if old.size:
+                who += [st] * old.size
+                idx.append(old)
+                seq.append(st.parked.seq[old])
+        if not who:
+            return
+        idx, seq = np.concatenate(idx), np.concatenate(seq)
+        order = np.argsort(seq, kind="stable")[:n]
+        owners = np.array([id(st) for st in who], dtype=np.int64)[order]
+        for st in {id(s): s for s in who}.values():
+            mine = idx[order][owners == id(st)]
+            if mine.size:
+                self._discard(st, mine)
+                self.totals.tokens_dropped_full += int(mine.size)
+
     def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
-        """The decision of a ``choosing`` request: the policy chooses among live and parked tokens by the last
-        chunk's window over both (its ``parked:<name>`` statistics); live losers die, parked winners come back
-        into the slots the packing frees, parked losers are freed for good (evicted from the forward that parked
-        them). Without those statistics (not expected) every parked token is freed and the live ones are judged
-        as without parking."""
+        """The decision of a ``choosing`` request: its live and parked tokens chosen by the last chunk's window
+        over both (``_choose``), then back to reading, decoding or keeping."""
+        keep = st.table.num_live if st.schedule.eager else None  # pressure mode keeps as many as it holds
+        batch = self._choose(st, stats, keep, step=0)
+        self._chosen(st)
+        return batch
+
+    def _recall(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int) -> MoveBatch | None:
+        """Recall while decoding: the request's decode window scored over its live and parked keys (one softmax)
+        chooses again among both. A decoding request keeps to its budget (the decision its decode step was due
+        anyway), a keeping one (pressure mode) as many tokens as it holds: parked winners swap with live losers,
+        so the live count, and the blocks, stay the same."""
+        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live
+        self.totals.recalls += 1
+        return self._choose(st, stats, keep, step=num_output)
+
+    def _choose(self, st: RequestState, stats, keep: int | None, step: int) -> MoveBatch | None:
+        """The policy chooses among live and parked tokens by a window over both (``parked:<name>`` statistics,
+        aligned with the tier slots it scored): live losers are parked (they die only when the tier has no room),
+        parked winners come back into the slots the packing frees, parked losers stay parked. ``keep``: live tokens
+        after the choice (None: the budget's target). Without parked statistics (not expected) nothing changes."""
         parked = st.parked
         names = st.policy.needs
-        if stats is None or any(f"parked:{n}" not in stats for n in names):
-            self._discard(st, np.arange(parked.size))
-            self._chosen(st)
+        if stats is None or any(f"parked:{n}" not in stats for n in names) or not parked.size:
             return None
+        scored = self._parked_scores(st, stats, names)
         live = st.table.live_logical()
         slots = st.table.slot_of[live]
         everyone = np.concatenate([live, parked.logical])
         order = np.argsort(everyone, kind="stable")
-        named = {n: np.concatenate([stats[n][slots], stats[f"parked:{n}"]])[order] for n in names}
+        named = {n: np.concatenate([stats[n][slots], scored[n]])[order] for n in names}
         protected = self._protected(st, live)
         if protected is not None:
             protected = np.concatenate([protected, np.zeros(parked.size, bool)])[order]
         inp = PolicyInput(st.table.num_logical, 0, everyone[order], named, protected, st.record.seed)
-        # Always mode keeps to the budget; pressure mode keeps as many tokens as it holds, the best of both tiers.
-        victims = st.policy.select(inp, keep=live.size if st.schedule.eager else None)
-        is_parked = np.isin(parked.logical, victims)
-        lose = np.flatnonzero(is_parked)
-        win = np.flatnonzero(~is_parked)
+        victims = st.policy.select(inp, keep=keep)
+        parked.score = scored[names[0]]
+        win = np.flatnonzero(~np.isin(parked.logical, victims))
         room = len(self.blocks_of(st.request_id)) * self.bs - (live.size - int(np.isin(live, victims).sum()))
-        lose, win = np.concatenate([lose, win[room:]]), win[:room]  # (never expected: room for every winner)
-        dead = victims[~np.isin(victims, parked.logical)]  # before the discard, which may clear ``parked``
-        self._discard(st, lose)
-        batch, _ = self._compact(st, dead, 0, park=False, restore=win)
-        self.tier.give(parked.tier[win])
-        parked.clear()
-        self._chosen(st)
+        win = win[np.argsort(-parked.score[win], kind="stable")][: max(room, 0)]  # (never expected: no room)
+        dead = victims[~np.isin(victims, parked.logical)]
+        if not dead.size and not win.size:
+            return None
+        back = Restore(parked.logical[win], parked.tier[win], parked.at_forward[win])
+        parked.drop(win)
+        self.totals.tokens_recalled += int(win.size) if step else 0
+        batch, _ = self._compact(st, np.sort(dead), step, park=self.tier is not None, restore=back)
         return batch
 
+    def _parked_scores(self, st: RequestState, stats, names) -> dict[str, np.ndarray]:
+        """Each parked token's ``parked:<name>`` statistic, by the tier slot it was scored at (``parked:slots``;
+        without it, in parking order). A token parked after the scoring has none (-inf: it stays parked)."""
+        asked = stats.get("parked:slots")
+        out = {}
+        for n in names:
+            values = np.asarray(stats[f"parked:{n}"], dtype=np.float64)
+            if asked is None:
+                out[n] = values[: st.parked.size]
+                continue
+            asked = np.asarray(asked, dtype=np.int64)
+            order = np.argsort(asked, kind="stable")
+            at = np.searchsorted(asked[order], st.parked.tier)
+            at = np.minimum(at, asked.size - 1)
+            found = asked[order][at] == st.parked.tier
+            out[n] = np.where(found, values[order][at], -np.inf)
+        return out
+
     def _chosen(self, st: RequestState) -> None:
+        st.chose = True  # once a run: later its parked tokens come back by recall (decoding) or re-inflation
         if st.schedule.eager:  # pressure mode: back to keeping every token until the pool runs short
             phase = Phase.KEEPING
         else:
@@ -663,12 +863,13 @@ class Compactor:
     def _discard(self, st: RequestState, which: np.ndarray) -> None:
         """Parked tokens freed for good: evicted, in the trace, from the forward that parked them."""
         p = st.parked
-        if which.size:
-            st.record.record_deaths(p.logical[which], 0, at_forward=p.at_forward[which])
-            self.totals.tokens_evicted += int(which.size)
-            self.tier.give(p.tier[which])
-        if which.size == p.size:
-            p.clear()
+        which = np.asarray(which, dtype=np.int64)
+        if not which.size:
+            return
+        st.record.record_deaths(p.logical[which], 0, at_forward=p.at_forward[which], at_step=p.at_step[which])
+        self.totals.tokens_evicted += int(which.size)
+        self.tier.give(p.tier[which])
+        p.drop(which)
 
     def _settle_ballast(self, st: RequestState, writing: int) -> None:
         """Naive mode: hold exactly the blocks Naive-Evict would hold beyond what the packed layout needs, for
@@ -715,10 +916,17 @@ class Compactor:
             observe, export, window = sched.decode_ask(num_output + 1, decides)  # the step this forward completes
             if st.phase is Phase.KEEPING and observe:
                 export = True  # pressure mode, per-step statistics: a shed may come at any step
-            record = sched.on_demand and st.phase is Phase.DECODING
+            parked = st.parked.size > 0 and sched.recall_every > 0
+            record = sched.on_demand and (st.phase is Phase.DECODING or parked)
+            # A decoding request recalls at its own decisions (once per slack); a keeping one every recall_every.
+            due = window if st.phase is Phase.DECODING else sched.recalls_at(num_output + 1, st.recalled_at)
+            recall = parked and due
+            if recall:  # its window is scored over live and parked keys, and the next decision chooses among both
+                window, st.recalled_at = True, num_output + 1
             if not (observe or record):
                 return None
-            return ScoreAsk(int(observe), p.needs if export else (), record=record, window=p.needs if window else ())
+            return ScoreAsk(int(observe), p.needs if export else (), record=record, window=p.needs if window else (),
+                            window_parked=st.parked.tier.copy() if recall else None)  # fmt: skip
         over = live + new_tokens > p.target(num_computed_after)
         queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, over)
         if sched.scores_jointly(st.parked.size > 0, num_computed_after, st.prefill_len):
@@ -790,8 +998,6 @@ class Compactor:
                 )
             if self.mode == "vtoken" and st.ballast:
                 raise CompactorError(f"{rid}: ballast in vtoken mode")
-            if st.parked.size and st.phase is Phase.DECODING:
-                raise CompactorError(f"{rid}: {st.parked.size} tokens parked while {st.phase}")
             for b in [*blocks, *st.ballast]:
                 if b.ref_cnt == 1 and owned.setdefault(b.block_id, rid) != rid:
                     raise CompactorError(f"block {b.block_id} held by {owned[b.block_id]} and {rid}")

@@ -11,10 +11,11 @@ question), else ``reading``. What each phase does at a decision point (vtoken/co
 decision point comes is vtoken/core/schedule.py's business):
 
     keeping   keeps every token until the pool runs short; then gives back what the shortfall needs, never below
-              its budget (vtoken/core/shedding.py), parking what it sheds while it reads its prompt
+              its budget (vtoken/core/shedding.py), parking what it sheds; once its prompt is read it recalls
+              parked tokens every recall_every decode steps, and gets them back when the pool has room again
     reading   evict to the budget at chunk boundaries; with a parking tier the victims are parked
     choosing  choose among live and parked tokens by the last chunk's window (the question); parked winners return
-    decoding  evict to the budget at decode steps
+    decoding  evict to the budget at decode steps, parking what it evicts and recalling among live and parked
 
 Every change goes through ``Compactor._to``, which checks it against ``TRANSITIONS`` and logs it (debug).
 """
@@ -33,10 +34,6 @@ class Phase(enum.StrEnum):
     def evicts(self) -> bool:
         """Keeps to its budget now (every phase but ``keeping``)."""
         return self is not Phase.KEEPING
-
-    def parks(self) -> bool:
-        """What it evicts at a decision goes to the parking tier, if there is one (and the policy scores)."""
-        return self is Phase.READING
 
 
 P = Phase

@@ -47,6 +47,7 @@ class RequestRecord:
     restored_parked_at: list[np.ndarray] = field(default_factory=list)  # the first forward that did not see them
     restored_at: list[np.ndarray] = field(default_factory=list)  # the first forward that saw them again
     shed_at: int = -1  # pressure mode: the forward before which it shed first (-1: never)
+    shed_tokens: int = 0  # pressure mode: tokens it gave up at sheds (parked, or lost when the tier had no room)
     joint_forward: int = -1  # parking: the last chunk's forward, which attended the parked tokens too (-1: none)
     joint_positions: np.ndarray | None = None  # the parked tokens that forward attended
     tokens_moved: int = 0
@@ -61,12 +62,14 @@ class RequestRecord:
     logprobs: list[float] | None = None  # the sampled tokens' log-probabilities, when the request asked
     final: dict[str, Any] | None = None
 
-    def record_deaths(self, logical: np.ndarray, step: int, at_forward: np.ndarray | None = None) -> None:
+    def record_deaths(
+        self, logical: np.ndarray, step: int, at_forward: np.ndarray | None = None, at_step: np.ndarray | None = None
+    ) -> None:
         """``logical`` died before forward ``self.forwards`` (decode step ``step``; 0 during the prefill), or before
-        ``at_forward`` (parked tokens freed for good: the forward that parked them)."""
+        ``at_forward`` (parked tokens freed for good: the forward that parked them, at decode step ``at_step``)."""
         n = len(logical)
         self.died_pos.append(np.asarray(logical, dtype=np.int64))
-        self.died_step.append(np.full(n, step, dtype=np.int64))
+        self.died_step.append(np.full(n, step, dtype=np.int64) if at_step is None else np.asarray(at_step, np.int64))
         at = np.full(n, self.forwards, dtype=np.int64) if at_forward is None else np.asarray(at_forward, np.int64)
         self.died_forward.append(at)
 
@@ -143,6 +146,7 @@ class RequestRecord:
             out["joint_positions"] = self.joint_positions.tolist()
         if self.shed_at >= 0:
             out["shed_at_forward"] = self.shed_at
+            out["shed_tokens"] = self.shed_tokens
         if self.earlier:
             out["preempted_runs"] = list(self.earlier)
         if self.logprobs is not None:
@@ -160,7 +164,14 @@ class EngineTotals:
     bytes_moved: int = 0
     tokens_moved: int = 0
     tokens_evicted: int = 0
-    tokens_parked: int = 0  # tokens a chunk boundary sent to the tier (restored or freed later)
+    tokens_parked: int = 0  # tokens sent to the tier (restored or freed later)
+    tokens_restored: int = 0  # parked tokens back in the pool (a choice with the question, a recall, re-inflation)
+    tokens_recalled: int = 0  # of those, brought back by a recall while decoding
+    tokens_reinflated: int = 0  # of those, brought back because the pool had room again
+    tokens_dropped_full: int = 0  # parked tokens freed for good because the tier was full (the oldest first)
+    recalls: int = 0  # choices among live and parked tokens while decoding
+    recall_bytes: int = 0  # parked bytes the worker read to score recalls (boxes and candidates' keys)
+    recall_seconds: float = 0.0  # the worker's host time scoring recalls (part of score_seconds)
     blocks_freed: int = 0
     preemptions: int = 0
     preemptions_in_prefill: int = 0
@@ -188,6 +199,13 @@ class EngineTotals:
             "tokens_moved": self.tokens_moved,
             "tokens_evicted": self.tokens_evicted,
             "tokens_parked": self.tokens_parked,
+            "tokens_restored": self.tokens_restored,
+            "tokens_recalled": self.tokens_recalled,
+            "tokens_reinflated": self.tokens_reinflated,
+            "tokens_dropped_full": self.tokens_dropped_full,
+            "recalls": self.recalls,
+            "recall_bytes": self.recall_bytes,
+            "recall_seconds": self.recall_seconds,
             "blocks_freed": self.blocks_freed,
             "preemptions_seen": self.preemptions,
             "preemptions_in_prefill": self.preemptions_in_prefill,

@@ -19,8 +19,8 @@ class RequestState:
 
     Invariants (``Compactor.check_integrity``): the table's physical slots fit the request's blocks; in vtoken
     mode no ballast; ballast blocks belong to no request's block list; once ``dirty`` (a token died) the
-    request's blocks are never prefix-cached again (until a preemption starts it over); parked tokens only in
-    the ``reading`` and ``choosing`` phases.
+    request's blocks are never prefix-cached again (until a preemption starts it over); a parked token is not
+    live, and its tier slot is held by it alone.
     """
 
     request_id: str  # the engine's id
@@ -37,9 +37,13 @@ class RequestState:
     known: dict | None = None  # pressure mode: the latest statistics per logical token (inf: never covered)
     window_scored_at: int = -1  # pressure mode: logical length when its decode window was last scored
     parked: Parked = field(default_factory=Parked)  # tokens waiting in the tier (vtoken/core/park.py)
+    chose: bool = False  # it chose among live and parked tokens with its question (once a run)
+    recalled_at: int = 0  # the decode step of its last recall (vtoken/core/schedule.py recall_every)
+    asked_parked: bool = False  # its window is being scored over its parked tokens too (a recall comes next)
     gap_sent: int = 0
     dirty: bool = False
     floor: float = 0.0  # pressure_floor: the share of its tokens admission keeps for it (0: always mode, or none)
+    tier_need: int = 0  # what it may park at most: the tier's admission reserves it (Compactor.tier_admissible)
     compacted_at: int = -1  # the step of its last compaction: at most one per step (the moves of a step are
     # applied as one simultaneous gather-then-scatter, so a second plan against moved slots would be wrong)
 

@@ -27,6 +27,9 @@ boundary may shed; a decoding request that keeps every token has its window reco
 pool may run short soon, which is a question about the pool, not the request (``Compactor.foresee``; ``slack``
 still spaces the scorings).
 
+Recall (vtoken/core/compactor.py ``_recall``): a decoding request with parked tokens has its window scored over its live
+and parked keys every ``recall_every`` decode steps (and at each of its decisions), and chooses again among both.
+
 Parking (vtoken/core/park.py) adds two points, both for a request with parked tokens: the prompt's last chunk stops one
 token short (``stops_short``), so that chunk (the question) attends the live and the parked keys together
 (``scores_jointly``), and the boundary one token before the prompt's end chooses among both (``chooses``).
@@ -46,15 +49,29 @@ class Schedule:
     window: int = 32  # queries of a prefill chunk's observation window
     eager: bool = False  # pressure mode: score every chunk window (any boundary may shed)
     on_demand: bool = False  # decode statistics from the window of recent queries, scored once before a decision
+    recall_every: int = 0  # decode steps between two recalls of a request with parked tokens (0: never)
 
     @classmethod
     def of(
-        cls, policy, prefill_evict: bool = True, window: int = 32, eager: bool = False, block_size: int = 1
+        cls,
+        policy,
+        prefill_evict: bool = True,
+        window: int = 32,
+        eager: bool = False,
+        block_size: int = 1,
+        recall_every: int = 0,
     ) -> Schedule:
-        """The schedule a policy's timing parameters ask for (``interval`` 0: one KV block of ``block_size``)."""
+        """The schedule a policy's timing parameters ask for (``interval`` 0: one KV block of ``block_size``).
+        ``recall_every``: recall's cadence, for a policy that scores a window of decode queries (on demand)."""
         slack = policy.interval or block_size
         on_demand = bool(policy.needs) and policy.window_scores
-        return cls(prefill_evict, slack, policy.score_every, bool(policy.needs), window, eager, on_demand)
+        return cls(prefill_evict, slack, policy.score_every, bool(policy.needs), window, eager, on_demand,
+                   recall_every if on_demand else 0)  # fmt: skip
+
+    def recalls_at(self, step: int, last: int) -> bool:
+        """Is decode step ``step`` a recall point for a request with parked tokens whose last recall came at decode
+        step ``last``? Every ``recall_every`` steps (its window then holds the queries since)."""
+        return bool(self.recall_every) and step - last >= self.recall_every
 
     def step_at(self, num_logical: int, prefill_len: int, num_output: int) -> int | None:
         """The policy step of the point reached with ``num_logical`` tokens computed (0 at a chunk boundary, the
@@ -122,6 +139,7 @@ class Schedule:
 
     @staticmethod
     def chooses(parked: bool, num_logical: int, prefill_len: int) -> bool:
-        """At ``num_logical`` tokens the next decision chooses among live and parked tokens: the question has been
-        read (all of the prompt but at most its last token)."""
-        return parked and num_logical >= prefill_len - 1
+        """At ``num_logical`` tokens the next decision chooses among live and parked tokens: the question has just
+        been read (all of the prompt but at most its last token). Later, while decoding, parked tokens come back
+        by recall (``recalls``), not by this choice."""
+        return parked and prefill_len - 1 <= num_logical <= prefill_len

@@ -172,6 +172,88 @@ class QueryWindow:
             total = self.tp.sum_scores(total)
         return total.cpu().numpy()
 
+    def score_with_parked(
+        self,
+        row: int,
+        block_ids: list[int],
+        seq: int,
+        kv_caches: Sequence[torch.Tensor],
+        tier,
+        tier_slots: np.ndarray,
+        candidates: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Recall: ``attn_sum`` of the request's ``seq`` live slots and of its parked tokens (``tier_slots`` in
+        ``tier``, vtoken/kv/tier.py) from its window, each query's softmax taken over the live keys at or before it
+        and every parked key (all older) together. Returns float32 [seq] and [len(tier_slots)], on the host.
+
+        ``candidates`` (None: every parked token, the exact path): first the parked tokens' page boxes bound each
+        query's logit (``sum_d max(q_d * lo_d, q_d * hi_d)``, Quest's bound; ArkVale's boxes); the pages with the
+        highest bound, enough to hold ``candidates`` tokens, are scored exactly, and only their keys are read. The
+        other parked tokens score 0 (they stay parked). The boxes live on the pool's device; on a GPU only the
+        candidates' keys cross from host memory (``tier.bytes_recalled`` counts them, and a stale box's rebuild)."""
+        n = int(min(self.count[row], self.window))
+        parked = np.asarray(tier_slots, dtype=np.int64)
+        if n == 0 or parked.size == 0:
+            return np.zeros(seq, np.float32), np.zeros(parked.size, np.float32)
+        ring = torch.as_tensor(np.arange(self.count[row] - n, self.count[row]) % self.window, device=self.device)
+        q_all = self.q[row].index_select(1, ring).float()  # [L, n, H, D]
+        chosen = np.arange(parked.size)
+        if candidates is not None and candidates < parked.size:
+            chosen = self._candidates(q_all, tier, parked, candidates)
+        slots = torch.as_tensor(to_global_slots(np.arange(seq), block_ids, self.bs), device=self.device)
+        positions = self.table.positions(kv_caches[0], slots // self.bs, slots % self.bs)[..., : self.head_size]
+        pos = self.pos[row].index_select(0, ring)
+        future = torch.arange(seq, device=self.device)[None, :] > pos[:, None]  # [n, seq]
+        kvh = kv_caches[0].shape[1]
+        g = self.heads // kvh
+        live_total = torch.zeros(seq, dtype=torch.float32, device=self.device)
+        parked_total = torch.zeros(chosen.size, dtype=torch.float32, device=self.device)
+        for layer, kv in enumerate(kv_caches):
+            k = kv.view(-1)[positions].float()  # [seq, kvh, D]
+            kp = tier.keys(layer, parked[chosen]).to(self.device).float()  # [c, kvh, D]
+            q = q_all[layer].view(n, kvh, g, self.head_size)
+            live = torch.einsum("qkgd,skd->qkgs", q, k).mul_(self.scale)
+            live.masked_fill_(future[:, None, None, :], float("-inf"))
+            held = torch.einsum("qkgd,skd->qkgs", q, kp).mul_(self.scale)
+            w = torch.softmax(torch.cat([live, held], dim=-1), dim=-1).sum(dim=(0, 1, 2))
+            live_total += w[:seq]
+            parked_total += w[seq:]
+        tier.bytes_recalled += int(chosen.size) * len(kv_caches) * kvh * self.head_size * kv_caches[0].element_size()
+        if self.tp is not None:
+            both = self.tp.sum_scores(torch.cat([live_total, parked_total]))
+            live_total, parked_total = both[:seq], both[seq:]
+        out = np.zeros(parked.size, np.float32)
+        out[chosen] = parked_total.cpu().numpy()
+        return live_total.cpu().numpy(), out
+
+    def _candidates(self, q_all: torch.Tensor, tier, parked: np.ndarray, want: int) -> np.ndarray:
+        """Indices into ``parked`` of the tokens in the pages whose boxes bound the window's logits highest (over
+        layers, queries and heads), page by page until ``want`` tokens are in."""
+        page_of = parked // tier.PAGE
+        pages = np.unique(page_of)
+        lo, hi = tier.boxes(pages)
+        layers, n = q_all.shape[0], q_all.shape[1]
+        kvh = lo[0].shape[1]
+        g = self.heads // kvh
+        best = torch.full((pages.size,), float("-inf"), device=lo[0].device)
+        for layer in range(layers):
+            q = q_all[layer].view(n, kvh, g, self.head_size).to(lo[0].device)  # [n, kvh, g, D]
+            # sum_d max(q_d * lo_d, q_d * hi_d) = q+ . hi + q- . lo, as two matrix products
+            bound = torch.einsum("qkgd,pkd->qkgp", q.clamp(min=0), hi[layer]) + torch.einsum(
+                "qkgd,pkd->qkgp", q.clamp(max=0), lo[layer]
+            )
+            best = torch.maximum(best, bound.amax(dim=(0, 1, 2)))
+        order = pages[torch.argsort(best, descending=True, stable=True).cpu().numpy()]
+        counts = np.bincount(np.searchsorted(pages, page_of), minlength=pages.size)
+        per_page = dict(zip(pages.tolist(), counts.tolist()))
+        take, got = [], 0
+        for page in order.tolist():
+            if got >= want:
+                break
+            take.append(page)
+            got += per_page[page]
+        return np.flatnonzero(np.isin(page_of, take))
+
     def clear(self, row: int) -> None:
         """Scored before a decision, or the request's tokens moved: the window starts afresh (module docstring)."""
         self.count[row] = 0

@@ -42,6 +42,7 @@ from vtoken.kv.scores import uniform_share
 class KVTier:
     SLICE_BYTES = 64 << 20  # the logits of one slice of parked keys: bounded however many tokens are parked
     MIN_SLICE = 256  # tokens
+    PAGE = 32  # tier slots summarised by one box of keys (recall's first pass, ``boxes``)
 
     def __init__(
         self,
@@ -67,7 +68,20 @@ class KVTier:
         self.kv = [torch.empty(capacity, heads, 2 * head_size, dtype=kv.dtype, **host) for kv in kv_caches]
         self.extra = [torch.empty(capacity, dtype=t.dtype, **host) for t in extra]
         self._layer = {kv.data_ptr(): i for i, kv in enumerate(kv_caches)}
+        # Recall's summaries (Quest, ArkVale): per page of PAGE tier slots and per layer, the element-wise min and
+        # max of the keys parked there, [pages, kv_heads, head_size] each, float32.
+        # A park widens its page's box; a page whose slots were freed is rebuilt from the slots still held the next
+        # time it is read, so a box always holds every key parked in its page and stays tight.
+        pages = -(-capacity // self.PAGE)
+        # On the pool's device (a GPU's memory: 2 / PAGE of the parked keys' bytes), so a recall bounds every parked
+        # page there and only its candidates' keys cross from host memory.
+        box = {"device": self.device, "dtype": torch.float32}
+        self.box_lo = [torch.full((pages, heads, head_size), float("inf"), **box) for _ in kv_caches]
+        self.box_hi = [torch.full((pages, heads, head_size), float("-inf"), **box) for _ in kv_caches]
+        self.held = np.zeros(capacity, dtype=bool)  # tier slots holding a parked token (the scheduler frees them)
+        self._stale = np.zeros(pages, dtype=bool)  # pages with a slot freed since their box was built
         self.bytes_moved = 0
+        self.bytes_recalled = 0  # parked K read to score a recall (boxes and candidates)
         self.attend = True  # the last chunk attends the parked keys (False: only scores them; a negative control)
         self._rows: list[tuple[int, int, np.ndarray]] = []
         # CUDA: copies run on a side stream. A park lands in the tier once its copy is done (``_pending``, applied
@@ -89,6 +103,7 @@ class KVTier:
         dst = torch.as_tensor(batch.dst, dtype=torch.long)
         src = torch.as_tensor(batch.src, dtype=torch.long, device=self.device)
         got = [kv.view(-1)[self._positions(kv, batch.src)] for kv in kv_caches] + [t[src] for t in extra]
+        self._widen(batch.dst, got[: len(kv_caches)])  # on the pool's device, from the keys as they leave it
         self._store([*self.kv, *self.extra][: len(got)], dst, got)
         self.bytes_moved += sum(t[:1].numel() * t.element_size() for t in self.kv) * len(batch)
 
@@ -113,6 +128,53 @@ class KVTier:
             done.synchronize()  # long done: a park is read steps later, at the earliest the next step
             t[dst] = staged
         self._pending = []
+
+    # ------------------------------------------------------------------ summaries for recall
+    def free(self, slots: np.ndarray) -> None:
+        """Tier slots the scheduler freed (restored, or their tokens freed for good): their pages' boxes are
+        rebuilt before they are next read."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size:
+            self.held[slots] = False
+            self._stale[np.unique(slots // self.PAGE)] = True
+
+    def _widen(self, dst: np.ndarray, layers: list[torch.Tensor]) -> None:
+        """Keys parked into tier slots ``dst`` (``layers``: each layer's [n, kv_heads, 2 * head_size] K then V, on
+        the pool's device): their pages' boxes grow to hold them."""
+        slots = np.asarray(dst, dtype=np.int64)
+        if not slots.size:
+            return
+        self.held[slots] = True
+        page = torch.as_tensor(slots // self.PAGE, device=self.device)
+        for got, lo, hi in zip(layers, self.box_lo, self.box_hi):
+            k = got[..., : self.head_size].float()  # [n, kvh, D]
+            lo.index_reduce_(0, page, k, "amin")
+            hi.index_reduce_(0, page, k, "amax")
+
+    def boxes(self, pages: np.ndarray) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, the boxes of ``pages``: [n, kv_heads, head_size] min and max keys (rebuilt first where a slot
+        was freed: over the slots still held; an empty page's box is empty, +inf..-inf, and bounds nothing)."""
+        self._land()
+        stale = pages[self._stale[pages]]
+        for page in stale.tolist():  # rare: a page some of whose tokens left since it was last read
+            slots = np.arange(page * self.PAGE, min((page + 1) * self.PAGE, self.capacity))
+            slots = torch.as_tensor(slots[self.held[slots]])
+            for kv, lo, hi in zip(self.kv, self.box_lo, self.box_hi):
+                if slots.numel():
+                    k = kv[slots][..., : self.head_size].float().to(self.device)
+                    lo[page], hi[page] = k.amin(0), k.amax(0)
+                else:
+                    lo[page], hi[page] = float("inf"), float("-inf")
+            self.bytes_recalled += int(slots.numel()) * len(self.kv) * self.kv[0][0, :, : self.head_size].numel() * (
+                self.kv[0].element_size())  # fmt: skip
+            self._stale[page] = False
+        idx = torch.as_tensor(pages, device=self.device)
+        return [lo[idx] for lo in self.box_lo], [hi[idx] for hi in self.box_hi]
+
+    def keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
+        """The parked keys of ``slots`` in ``layer``: [n, kv_heads, head_size] (on the host)."""
+        self._land()
+        return self.kv[layer][torch.as_tensor(slots, dtype=torch.long)][..., : self.head_size]
 
     def fetch(self, batch: MoveBatch) -> list[torch.Tensor]:
         """Tier slots ``batch.src``, copied out (before this step's parking may reuse them); on CUDA onto the device,

@@ -31,6 +31,11 @@ class VTokenStep:
     # requests whose window is scored after this forward (req -> statistics to send back).
     record: tuple[str, ...] = ()
     window: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Recall (vtoken/core/compactor.py _recall): requests whose window is scored over these tier slots too; tier slots
+    # the scheduler freed this step (the tier's page boxes follow); requests whose block list grew (re-inflation).
+    window_parked: dict[str, np.ndarray] = field(default_factory=dict)
+    tier_freed: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    set_blocks: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,6 +46,8 @@ class VTokenWorkerOutput:
     move_seconds: float = 0.0
     bytes_moved: int = 0
     score_seconds: float = 0.0  # host time scoring (the per-step scorer, the last chunks, windows on demand)
+    recall_bytes: int = 0  # parked bytes read to score recalls this step (page boxes and candidates' keys)
+    recall_seconds: float = 0.0  # host time scoring recalls (part of score_seconds)
 
 
 def empty_step() -> VTokenStep:

@@ -10,6 +10,7 @@ slots, in which no dead token remains. The same split serves prefill chunks and 
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -48,6 +49,11 @@ class VTokenRunnerMixin:
         self.vt_window_ask: dict[str, tuple[str, ...]] = {}
         self.vt_window_len: dict[str, int] = {}
         self.vt_window_scored = 0  # windows scored since the engine started (tests count them)
+        self.vt_window_parked: dict[str, np.ndarray] = {}
+        self.vt_recall_bytes_sent = 0
+        # VTOKEN_RECALL_AUDIT=1: each recall by summaries is checked against the exact path (vtoken_score_counts)
+        audit = os.environ.get("VTOKEN_RECALL_AUDIT") == "1"
+        self.vt_recall_audit = dict.fromkeys(("recalls", "top", "found", "parked", "candidates"), 0) if audit else None
         self.vt_decode_scored = 0  # decode queries the per-step scorer scored (0 for an on-demand policy)
         self.vt_joint: dict[str, np.ndarray] = {}
         self.vt_move_seconds = 0.0
@@ -94,6 +100,8 @@ class VTokenRunnerMixin:
 
     def _vt_apply(self, step: VTokenStep, so) -> None:
         extra = self.vt_scorer.extra_tensors if self.vt_scorer else []
+        if self.vt_tier is not None:
+            self.vt_tier.free(step.tier_freed)  # before this step's parks may take them again
         cost = apply_kv_step(self._vt_step_mover(), self.vt_tier, self.kv_caches, extra, step.moves, step.park,
                              step.restore)  # fmt: skip
         self.vt_move_seconds += cost.move_seconds
@@ -103,6 +111,8 @@ class VTokenRunnerMixin:
         self.vt_joint = step.joint
         for rid, keep in step.keep_blocks.items():
             self._vt_set_blocks(rid, lambda ids, keep=keep: ids[:keep])
+        for rid, blocks in step.set_blocks.items():  # re-inflation: parked tokens back into blocks added for them
+            self._vt_set_blocks(rid, lambda ids, blocks=blocks: list(blocks))
         self.vt_gaps.update(step.gaps)
         for rid in so.finished_req_ids:
             self.vt_gaps.pop(rid, None)
@@ -120,6 +130,7 @@ class VTokenRunnerMixin:
                     self.vt_window.clear(row)
         self.vt_observe, self.vt_export = step.observe, step.export
         self.vt_record, self.vt_window_ask = step.record, step.window
+        self.vt_window_parked = step.window_parked
 
     def _vt_step_mover(self) -> Mover:
         """The mover of this step's moves (the testing runner's negative control swaps in one that skips them)."""
@@ -218,15 +229,42 @@ class VTokenRunnerMixin:
             window = self.vt_window
             for rid, length in self.vt_window_len.items():  # on demand: the window, scored once before a decision
                 state, row = self.requests.get(rid), window.owner.get(rid) if window is not None else None
-                if state is not None and row is not None:
+                if state is None or row is None:
+                    continue
+                parked = self.vt_window_parked.get(rid)
+                if parked is not None and self.vt_tier is not None:  # recall: live and parked keys, one softmax
+                    wanted = None if self.vt.recall_exact else recall_candidates(length, self.vt_tier.PAGE)
+                    t_recall = time.perf_counter()
+                    live, held = window.score_with_parked(row, state.block_ids[0], length, self.kv_caches,
+                                                          self.vt_tier, parked, wanted)  # fmt: skip
+                    vt.recall_seconds += time.perf_counter() - t_recall
+                    if self.vt_recall_audit is not None and wanted is not None:
+                        self._vt_audit_recall(row, state.block_ids[0], length, parked, held)
+                    vt.stats[rid] = {ATTN_SUM: live, f"parked:{ATTN_SUM}": held, "parked:slots": parked}
+                else:
                     vt.stats[rid] = {ATTN_SUM: window.score(row, state.block_ids[0], length, self.kv_caches)}
-                    window.clear(row)
-                    self.vt_window_scored += 1
+                window.clear(row)
+                self.vt_window_scored += 1
         vt.score_seconds = time.perf_counter() - t0
+        if self.vt_tier is not None:
+            vt.recall_bytes = self.vt_tier.bytes_recalled - self.vt_recall_bytes_sent
+            self.vt_recall_bytes_sent = self.vt_tier.bytes_recalled
         target = getattr(out, "model_runner_output", out)  # async outputs wrap the real one
         if target is not None:
             target.vtoken = vt
         return out
+
+    def _vt_audit_recall(self, row: int, block_ids, length: int, parked: np.ndarray, held: np.ndarray) -> None:
+        """VTOKEN_RECALL_AUDIT=1 (benchmarks): score the same window over every parked token exactly too, and count
+        how many of the exact path's top 32 parked tokens the summary's candidates held (its recall)."""
+        _, exact = self.vt_window.score_with_parked(row, block_ids, length, self.kv_caches, self.vt_tier, parked)
+        top = np.argsort(-exact, kind="stable")[: min(32, parked.size)]
+        a = self.vt_recall_audit
+        a["recalls"] += 1
+        a["top"] += int(top.size)
+        a["found"] += int((held[top] > 0).sum())  # a candidate scores > 0; the others score 0
+        a["parked"] += int(parked.size)
+        a["candidates"] += int((held > 0).sum())
 
     # ---------------------------------------------------------------- seeded requests on CPU
     def _vt_cpu_generators_to_rewind(self) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
@@ -258,6 +296,16 @@ class VTokenRunnerMixin:
             for i, (gen, state) in rewind.items():
                 gen.set_state(state)
                 generators[i] = gen
+
+
+RECALL_PAGES = 16  # at most this many pages of parked tokens are scored exactly per recall (the summary path)
+
+
+def recall_candidates(live: int, page: int) -> int:
+    """Parked tokens a recall scores exactly after its page boxes: half the request's live tokens, at least two
+    pages and at most RECALL_PAGES (on a GPU, what crosses from host memory per recall: 512 tokens' keys, 33.5 MB
+    for Llama-3.1-8B in bf16, whatever its context)."""
+    return min(RECALL_PAGES * page, max(2 * page, live // 2))
 
 
 def runner_cls(base: type, *mixins: type) -> type:

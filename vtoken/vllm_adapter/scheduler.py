@@ -133,7 +133,8 @@ class VTokenScheduler(Scheduler):
         finally:
             self.max_num_active_reqs = active
         t2 = time.perf_counter()
-        step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore)
+        step = VTokenStep(plan.moves, plan.keep_blocks, plan.gaps, park=plan.park, restore=plan.restore,
+                          tier_freed=plan.tier_freed, set_blocks=plan.set_blocks)  # fmt: skip
         record: list[str] = []
         for rid, n in list(out.num_scheduled_tokens.items()):
             request = self.requests[rid]
@@ -154,6 +155,8 @@ class VTokenScheduler(Scheduler):
                         record.append(rid)
                     if ask.window:
                         step.window[rid] = ask.window
+                    if ask.window_parked is not None:
+                        step.window_parked[rid] = ask.window_parked
         # A request that failed here was scheduled already: it ends now, as one aborted while the step runs (its
         # forward runs on the blocks it held; they go to other requests from the next step on).
         self._vt_end_failed()
@@ -211,20 +214,26 @@ class VTokenScheduler(Scheduler):
         return list(itertools.islice(self.waiting, max(self.vt_max_seqs - len(self.running), 0)))
 
     def _admission_limit(self, nxt: list) -> int | None:
-        """pressure_floor: how many of ``nxt`` (``_next_admitted()``) may be admitted so that every request fits in
-        the pool at its floor, the engine's or its own (Compactor.admissible); None when no request has a floor.
-        vLLM's Scheduler.schedule admits a waiting request whenever the pool holds its first chunk; this caps how
-        many it may admit in this step."""
+        """How many of ``nxt`` (``_next_admitted()``) may be admitted: so that the parking tier holds what every
+        request may park (Compactor.tier_admissible), and, with a pressure_floor, so that every request fits in the
+        pool at its floor, the engine's or its own (Compactor.admissible); None when neither limits. vLLM's
+        Scheduler.schedule admits a waiting request whenever the pool holds its first chunk; this caps how many it
+        may admit in this step."""
         core = self.vt_core
-        if not nxt or not (core.floored() or any(map(_asks_floor, nxt))):
+        if not nxt:
             return None
+        found = [self._policy_for(r) for r in nxt]
+        tier = core.tier_admissible([core.tier_need(policy, r.num_prompt_tokens + r.max_tokens)
+                                     for r, (policy, _) in zip(nxt, found)])  # fmt: skip
+        if not (core.floored() or any(map(_asks_floor, nxt))):
+            return tier
         waiting = []
-        for r in nxt:
-            policy, opts = self._policy_for(r)
+        for r, (policy, opts) in zip(nxt, found):
             n = r.num_tokens
             keep = kept_tokens(n, policy.budget, policy.sink, policy.recent) if policy is not None else n
             waiting.append((n, keep, opts.pressure_floor if opts.evict == "pressure" else 0.0))
-        return core.admissible(waiting, self.vt_watermark, self.vt_chunk)
+        floor = core.admissible(waiting, self.vt_watermark, self.vt_chunk)
+        return floor if tier is None else min(floor, tier)
 
     def _progress(self) -> list[Progress]:
         core, chunk = self.vt_core, self.vt_chunk
@@ -247,6 +256,8 @@ class VTokenScheduler(Scheduler):
             outputs_at_start=request.num_output_tokens,
             logprobs=getattr(request.sampling_params, "logprobs", None) is not None,
             floor=opts.pressure_floor,
+            recall_every=opts.recall_every,
+            max_len=request.num_prompt_tokens + request.max_tokens,
         )
 
     def _policy_for(self, request):
@@ -265,7 +276,8 @@ class VTokenScheduler(Scheduler):
             for rid, stats in vt.stats.items():
                 with core.isolated(rid):
                     core.receive_stats(rid, stats)
-            core.note_worker(vt.move_seconds, vt.bytes_moved, score_seconds=vt.score_seconds)
+            core.note_worker(vt.move_seconds, vt.bytes_moved, score_seconds=vt.score_seconds,
+                             recall_bytes=vt.recall_bytes, recall_seconds=vt.recall_seconds)  # fmt: skip
         lp = getattr(model_runner_output, "logprobs", None)
         if lp is not None and self.vt_trace is not None:
             sampled = model_runner_output.sampled_token_ids
@@ -359,6 +371,11 @@ class VTokenScheduler(Scheduler):
             preemptions_total=r.preemptions,
             block_size=self.vt_bs,
             tokens_to_go=tokens_to_go(self.running),
+            parked_tokens=r.parked_tokens,
+            tier_tokens=r.tier_tokens,
+            tokens_recalled_total=r.tokens_recalled,
+            recalls_total=r.recalls,
+            recall_bytes_total=r.recall_bytes,
         )
 
     def vtoken_check_integrity(self) -> bool:

@@ -18,12 +18,20 @@ class VTokenWorkerRPC:
 
     def vtoken_score_counts(self) -> dict:
         """What this rank's scorers did since the engine started: forwards and rows the per-step scorer scored
-        (``decode_rows``: decode queries among them; prompt chunks' windows are the rest), and windows of recent
-        queries scored on demand."""
+        (``decode_rows``: decode queries among them; prompt chunks' windows are the rest), windows of recent
+        queries scored on demand, parked bytes read to score recalls, and (VTOKEN_RECALL_AUDIT=1) how often the
+        summaries' candidates held the exact path's top parked tokens."""
         runner = self.model_runner
         scorer = runner.vt_scorer
         counts = dict(scorer.counts) if scorer is not None else {"steps": 0, "rows": 0}
-        return {**counts, "decode_rows": runner.vt_decode_scored, "windows": runner.vt_window_scored}
+        tier = runner.vt_tier
+        return {
+            **counts,
+            "decode_rows": runner.vt_decode_scored,
+            "windows": runner.vt_window_scored,
+            "bytes_recalled": tier.bytes_recalled if tier is not None else 0,
+            "recall_audit": dict(runner.vt_recall_audit) if runner.vt_recall_audit is not None else None,
+        }
 
     def vtoken_tp_probe(self, numel: int, reps: int = 200) -> dict:
         """Latency of the exchanges alone, ranks in step (see tp.TensorParallel.probe); every rank runs it."""
