@@ -133,7 +133,10 @@ class Prefix(PlacementStrategy):
     """Weighted's score plus the share of the prompt a replica would read from its prefix cache (``w_prefix`` x
     ``prefix_share``), as llm-d's scheduler adds its prefix-cache scorer to its load scorers and Ray Serve's
     PrefixCacheAffinityRouter prefers the replica with the longest match. A conversation's next turn then goes where
-    its last turn left its blocks, and skips their prefill there.
+    its last turn left its blocks, and skips their prefill there. Weighted's three terms span up to 3 (each against
+    the busiest replica, so the busier of two counts fully busy however little it holds): at the default weight, 3
+    (llm-d's default profile weighs its prefix-cache scorer 3 to its queue scorer's 2), a whole prompt in the cache
+    outweighs them, and the guard alone keeps the load in balance.
 
     Balance guard: one hot prefix must not pile every request onto the replica that holds it. The weighted choice is
     taken instead when the best match covers less than ``min_share`` of the prompt (too little to pay for a busier
@@ -143,7 +146,7 @@ class Prefix(PlacementStrategy):
 
     def __init__(
         self,
-        w_prefix: float = 1.0,
+        w_prefix: float = 3.0,
         min_share: float = 0.1,
         max_extra_requests: int = 4,
         max_extra_work: int = 4096,
