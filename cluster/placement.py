@@ -148,7 +148,7 @@ class Prefix(PlacementStrategy):
         self,
         w_prefix: float = 3.0,
         min_share: float = 0.1,
-        max_extra_requests: int = 4,
+        max_extra_requests: int = 2,
         max_extra_work: int = 4096,
         weighted: Weighted | None = None,
     ):

@@ -95,6 +95,9 @@ QUICK = {
         and set(o["bursts"]["results"]) == set(o["sweep"]["results"])
         and o["capacity_scale"]["replicas"] == o["needed"]["scale"]
         and set(o["capacity_scale"]["results"]) == set(o["sweep"]["results"])
+        and {r["strategy"] for r in o["chat"]["rows"]} == {"round_robin", "weighted", "prefix", "prefix_oracle"}
+        and all(0 <= r["hit_rate"] <= 1 for r in o["chat"]["rows"])
+        and o["targets"]["chat_prefix_vs_weighted"]
     ),
 }
 

@@ -52,8 +52,8 @@ def test_prefix_guard_a_loaded_replica_loses_despite_its_match():
     """One hot prefix must not pile every request onto the replica that holds it: beyond max_extra_requests or
     max_extra_work over the least loaded replica that fits, the weighted choice stands."""
     p = make_strategy("prefix")
-    assert p.choose(prefix_views(pending=4, tokens_to_go=600), 4).name == "b"  # 4 more requests than "a": allowed
-    assert p.choose(prefix_views(pending=5, tokens_to_go=700), 4).name == "a"  # 5 more: the guard
+    assert p.choose(prefix_views(pending=2, tokens_to_go=400), 4).name == "b"  # 2 more requests than "a": allowed
+    assert p.choose(prefix_views(pending=3, tokens_to_go=500), 4).name == "a"  # 3 more: the guard
     busy = [v._replace(tokens_to_go=5000) for v in prefix_views()]
     assert p.choose([busy[0], busy[1]._replace(tokens_to_go=5000 + 4096)], 4).name == "b"
     assert p.choose([busy[0], busy[1]._replace(tokens_to_go=5000 + 4097)], 4).name == "a"  # more work than allowed
