@@ -17,6 +17,7 @@ from vllm_harness import prompts  # noqa: E402
 from actors.prefix_tracker import PrefixTracker  # noqa: E402
 from vtoken.models import model_path  # noqa: E402
 from vtoken.prefix_hash import prefix_hashes  # noqa: E402
+from vtoken.vllm_adapter.kv_events import cached_hashes  # noqa: E402
 
 BS = 32
 
@@ -31,20 +32,12 @@ class Counting(PrefixTracker):
         super().removed(hashes)
 
 
-def vllm_cache(llm) -> set[int]:
-    """The block hashes vLLM's prefix cache holds now, as its KV events name them."""
-    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
-
-    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    return {maybe_convert_block_hash(get_block_hash(k)) for k in pool.cached_block_hash_to_block._cache}
-
-
 def settled(tracker: PrefixTracker, llm, timeout_s: float = 20.0) -> bool:
     """Events travel through vLLM's publisher thread and ours: wait until the tracker agrees with vLLM's cache (a
     bound on waiting, not a measurement)."""
     t_end = time.monotonic() + timeout_s
     while time.monotonic() < t_end:
-        if set(tracker.engine) == vllm_cache(llm):
+        if set(tracker.engine) == cached_hashes(llm):
             return True
         time.sleep(0.05)
     return False
@@ -62,13 +55,13 @@ def run(vtoken: dict, turns: list[list[int]] | None = None, batch: list[list[int
     args, where = events_config({"dtype": "float32", "block_size": BS, "max_model_len": 1024, "seed": 0,
                                  "kv_cache_memory_bytes": 64 << 20, "skip_tokenizer_init": True})  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
-    tracker, sequences, agreed = None, [], []
-    with open_llm(str(model_path("tiny-llama")), VTokenConfig(**vtoken), **args) as llm:
-        total = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        tracker = Counting(BS, total + 64)
-        sub = KVEventSubscriber(*where, tracker)
-        try:
-            time.sleep(0.5)  # ZeroMQ's subscription reaches the publisher (nothing is published before a request)
+    sequences, agreed = [], []
+    # Subscribed before the engine binds its endpoint: ZeroMQ connects once it does, long before the first request,
+    # so no batch is published before the subscription is in place. Capacity: more than the 1,024-block pool.
+    tracker = Counting(BS, 2048)
+    sub = KVEventSubscriber(*where, tracker)
+    try:
+        with open_llm(str(model_path("tiny-llama")), VTokenConfig(**vtoken), **args) as llm:
             if batch is not None:
                 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
                 sequences += [p + list(o.outputs[0].token_ids) for p, o in zip(batch, outs)]
@@ -80,9 +73,9 @@ def run(vtoken: dict, turns: list[list[int]] | None = None, batch: list[list[int
                 prompt = prompt + list(out.outputs[0].token_ids)
                 sequences.append(prompt)
                 agreed.append(settled(tracker, llm))
-        finally:
-            sub.close()
-            remove_endpoint(where[0])
+    finally:
+        sub.close()
+        remove_endpoint(where[0])
     return tracker, sequences, agreed, sub
 
 

@@ -124,3 +124,14 @@ def remove_endpoint(endpoint: str) -> None:
     if path != endpoint:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def cached_hashes(llm) -> set:
+    """The block hashes an in-process ``LLM``'s prefix cache holds now, as its KV events name them
+    (vllm/v1/core/block_pool.py BlockPool.cached_block_hash_to_block): what a subscriber's sink should hold."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    from vtoken.vllm_adapter.engine import inproc_scheduler
+
+    pool = inproc_scheduler(llm).kv_cache_manager.block_pool
+    return {maybe_convert_block_hash(get_block_hash(k)) for k in pool.cached_block_hash_to_block._cache}
