@@ -13,7 +13,10 @@ Invariants (``check_integrity``): ``held`` counts, per hash of ours, the vLLM bl
 can carry one: vLLM's hash also covers a cache salt or LoRA, ours only tokens), and nothing else; at most
 ``capacity`` vLLM blocks are kept (the oldest go first: more than the pool can hold means removals were missed).
 A block whose parent is unknown is not kept: no prompt can read it without its parent, nor can we name it.
-Thread-safe: the KV-event subscriber writes while the report loop cuts.
+vLLM does not deduplicate blocks: two requests that computed the same block at once cache it twice under one hash,
+and removing one announces the hash as removed; the tracker then forgets it while the other copy may remain, so it
+can claim less than the cache holds, never more. Thread-safe: the KV-event subscriber writes while the report loop
+cuts.
 """
 
 from __future__ import annotations
