@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from actors.report import plain_pool
+from actors.prefix_tracker import PrefixTracker
+from actors.report import plain_pool, prefix_capacity
 from vtoken.pool_report import PoolReport
+from vtoken.prefix_hash import prefix_hashes
 
 # Chunk.code values and what the client sees: the gateway maps them to gRPC status codes.
 ERROR_CODES = ("invalid_argument", "unavailable", "internal")
@@ -93,7 +95,10 @@ class Engine(ABC):
     """Hosts requests. Invariant: once ``generate`` returns or is cancelled, or ``abort`` is called,
     the request holds no blocks (``pool_report().free_blocks`` goes back up at once). ``admitted`` in a
     report lists (sorted) the ids of the requests whose blocks that same report counts as held.
-    Once ``errored``, ``generate`` and ``pool_report`` raise ``EngineDead``."""
+    Once ``errored``, ``generate`` and ``pool_report`` raise ``EngineDead``.
+    ``prefix``: what its prefix cache holds (actors/prefix_tracker.py), None when the engine cannot tell."""
+
+    prefix: PrefixTracker | None = None
 
     @abstractmethod
     def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]: ...
@@ -112,6 +117,11 @@ class Engine(ABC):
         """What the engine can tell about the requests it served (tests, debugging); may be empty."""
         return {}
 
+    def prefix_counters(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and found there since the engine started (vLLM's
+        ``prefix_cache_queries`` and ``prefix_cache_hits``)."""
+        return 0, 0
+
     async def shutdown(self) -> None:
         return None
 
@@ -120,7 +130,10 @@ class FakeEngine(Engine):
     """Emits one token per ``token_delay_s``; a request waits until its peak blocks
     (prompt + max_tokens) are free, then holds them to the end. Token i of a request is ``i % 97``.
     ``start_s`` makes construction take that long (a real engine's start); ``die()`` makes it fail like a
-    vLLM engine whose EngineCore process was killed."""
+    vLLM engine whose EngineCore process was killed.
+    Its prefix cache: the full blocks of the prompts it admitted, the least recently used dropped beyond
+    ``total_blocks``, announced to its PrefixTracker as vLLM's KV events would be (the fake's block hashes are the
+    chain's own); an admitted prompt's leading blocks found there count as hits."""
 
     def __init__(
         self,
@@ -143,6 +156,27 @@ class FakeEngine(Engine):
         self.seen: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.dead = False
         self._cv = asyncio.Condition()
+        self.cache: collections.OrderedDict[int, None] = collections.OrderedDict()  # block hashes, oldest first
+        self.prefix = PrefixTracker(block_size, prefix_capacity(total_blocks))
+        self.queries = self.hits = 0
+
+    def prefix_counters(self) -> tuple[int, int]:
+        return self.queries, self.hits
+
+    def _cache_prompt(self, tokens: list[int]) -> None:
+        """A prompt admitted: its cached leading blocks are hits, then all its full blocks are cached."""
+        hashes = prefix_hashes(tokens, self.block_size)
+        hit = next((i for i, h in enumerate(hashes) if h not in self.cache), len(hashes))
+        self.queries += len(tokens)
+        self.hits += hit * self.block_size
+        for h in hashes:
+            self.cache.pop(h, None)
+            self.cache[h] = None
+        self.prefix.stored(hashes, None, tokens[: len(hashes) * self.block_size], self.block_size)
+        gone = []
+        while len(self.cache) > self.total_blocks:
+            gone.append(self.cache.popitem(last=False)[0])
+        self.prefix.removed(gone)
 
     def _free(self) -> int:
         return self.total_blocks - sum(self.held.values())
@@ -175,6 +209,7 @@ class FakeEngine(Engine):
                 if admitted:
                     self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
                     self.to_go[rid] = max_tokens
+                    self._cache_prompt(list(spec.prompt_token_ids))
             if not admitted:
                 yield ABORTED
                 return
@@ -229,13 +264,16 @@ def fake_logprob(token_id: int, top: int) -> TokenLogprob:
 
 
 class VLLMEngine(Engine):
-    """A vToken-enabled ``AsyncLLM`` (vtoken.vllm_adapter.make_async_llm); prompts arrive as token ids."""
+    """A vToken-enabled ``AsyncLLM`` (vtoken.vllm_adapter.make_async_llm); prompts arrive as token ids.
+    With prefix caching on (vLLM's default), its KV events feed ``prefix`` (vllm_adapter/kv_events.py)."""
 
     def __init__(self, model: str, vtoken: dict[str, Any], engine_args: dict[str, Any]):
         from pathlib import Path
 
         from vtoken.models import model_path
         from vtoken.vllm_adapter import VTokenConfig, make_async_llm
+        from vtoken.vllm_adapter.engine import pool_blocks_async
+        from vtoken.vllm_adapter.kv_events import KVEventSubscriber, events_config
         from vtoken.vllm_adapter.stock_pool import StockPool
 
         # A model name is resolved here, on the replica's node, where the model folder lives.
@@ -243,8 +281,19 @@ class VLLMEngine(Engine):
         self.vtoken = VTokenConfig(**vtoken)
         self.block_size = int(engine_args.get("block_size") or 0)
         self.stock = StockPool()  # vLLM's own statistics of its pool: the report of a stock engine (vToken off)
-        self.llm = make_async_llm(folder, self.vtoken, stat_loggers=[self.stock.logger_factory()], **engine_args)
+        self.events, self._endpoint = None, ""
+        caching = engine_args.get("enable_prefix_caching") is not False
+        args, where = events_config(engine_args) if caching else (engine_args, None)
+        self.llm = make_async_llm(folder, self.vtoken, stat_loggers=[self.stock.logger_factory()], **args)
         self.live: dict[str, _Live] = {}  # the requests in generate()
+        if where is not None:
+            cache = self.llm.vllm_config.cache_config
+            self.prefix = PrefixTracker(cache.block_size, prefix_capacity(pool_blocks_async(self.llm)))
+            self.events = KVEventSubscriber(*where, self.prefix)
+            self._endpoint = where[0] if args is not engine_args else ""  # ours to remove at shutdown
+
+    def prefix_counters(self) -> tuple[int, int]:
+        return self.stock.prefix_queries, self.stock.prefix_hits
 
     @property
     def errored(self) -> bool:
@@ -320,6 +369,12 @@ class VLLMEngine(Engine):
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.events is not None:
+            from vtoken.vllm_adapter.kv_events import remove_endpoint
+
+            self.events.close()
+            if self._endpoint:
+                remove_endpoint(self._endpoint)
 
     def _stock_report(self) -> PoolReport:
         """Stock vLLM (vToken off): its pool from vLLM's own scheduler statistics (vllm_adapter/stock_pool.py).

@@ -90,6 +90,7 @@ class Replica:
         self._last: ReplicaReport | None = None  # the last report sent
         self._read: tuple[Engine | None, PoolReport | None, float] = (None, None, 0.0)  # engine, pool, when read
         self._report_failing = False
+        self._snapshot_asked = False  # the controller asked for the whole prefix cache, not a delta
         self._sender = TokenSender()
         self._node = ""
         self._where: tuple[str, str, int] | None = None  # (node ip, node id, pid), once known
@@ -243,6 +244,7 @@ class Replica:
             except EngineDead as e:
                 self._engine_died(engine, str(e))
                 engine = None
+        queries, hits = engine.prefix_counters() if engine is not None else (0, 0)
         return ReplicaReport(
             self.name,
             self.incarnation,
@@ -253,6 +255,8 @@ class Replica:
             pool,
             self.error,
             *self.where(),
+            prefix_queries=queries,
+            prefix_hits=hits,
         )
 
     def _idle_pool(self, engine: Engine) -> PoolReport | None:
@@ -304,8 +308,10 @@ class Replica:
         while True:
             try:
                 r = await self.report()
-                if self._changed(r) or time.monotonic() - sent_at >= self.report_interval_s:
-                    await asyncio.wait_for(self.controller.report.remote(self.name, r), timeout=5)
+                tracker = self.engine.prefix if self.engine is not None else None
+                changed = tracker is not None and (tracker.pending() or self._snapshot_asked)
+                if changed or self._changed(r) or time.monotonic() - sent_at >= self.report_interval_s:
+                    await self._send(r, tracker)
                     self._last, sent_at = r, time.monotonic()
                 if self._report_failing:
                     log.info("replica %s: reports reach the controller again", self.name)
@@ -320,6 +326,15 @@ class Replica:
                 if await self._orphaned(e):
                     return
             await asyncio.sleep(self.poll_s)
+
+    async def _send(self, r: ReplicaReport, tracker) -> None:
+        """One report to the controller, with the prefix cache's change since the last one sent (a snapshot when the
+        controller asked for one: it answers True when a delta did not follow the one before)."""
+        if tracker is not None:
+            r = r._replace(prefix=tracker.cut(full=self._snapshot_asked))
+            self._snapshot_asked = True  # until the controller has it: a report lost on the way leaves a gap
+        answer = await asyncio.wait_for(self.controller.report.remote(self.name, r), timeout=5)
+        self._snapshot_asked = answer is True
 
     def _watch_unstarted(self, every_s: float = 10.0) -> None:
         """Until ``start()`` is called: a controller that died for good before it could call it (its `vtoken serve`

@@ -38,6 +38,28 @@ def plain_pool(
                       tuple(sorted(admitted)), 0, 0, 0, 0.0, 0, block_size, tokens_to_go)  # fmt: skip
 
 
+# An index of a replica's prefix cache holds at most its pool's blocks and this many more: vLLM names one block by
+# one hash (a single KV-cache group), so more means missed removals, and the oldest entries go first.
+PREFIX_MARGIN = 64
+
+
+def prefix_capacity(total_blocks: int) -> int:
+    """The most block hashes a replica's prefix tracker, or the controller's index of it, keeps."""
+    return max(total_blocks, 0) + PREFIX_MARGIN
+
+
+class PrefixDelta(NamedTuple):
+    """What a replica's prefix cache gained and lost since its last delta, as hashes of vtoken/prefix_hash.py (never
+    token ids or text). ``seq`` counts the deltas of one incarnation from 1 (an empty delta repeats the last number);
+    the controller applies them in order and asks for a snapshot (``full``: ``added`` is everything held, ``removed``
+    empty) when one is missing."""
+
+    seq: int
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    full: bool = False
+
+
 class ReplicaReport(NamedTuple):
     """A replica's state at ``time`` (wall clock). ``incarnation`` changes with every engine the replica
     builds (a new process, or a restart after its engine died), so the controller can tell a new engine
@@ -56,6 +78,11 @@ class ReplicaReport(NamedTuple):
     node_ip: str = ""
     node_id: str = ""
     pid: int = 0
+    # Its prefix cache: the change since the last report (None: its engine cannot tell), and vLLM's counters
+    # of prompt tokens looked up in it and found there, since its engine started (vllm:prefix_cache_queries, _hits).
+    prefix: PrefixDelta | None = None
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 def unreported(name: str = "") -> ReplicaReport:

@@ -90,7 +90,8 @@ class PlacementConfig(_Strict):
     strategy: str = Field(
         "weighted",
         description="weighted (the default: free share less the work left, in tokens, and waiting requests, "
-        "the best in `vtoken bench fleet`), free_blocks, round_robin, power_of_two or best_fit",
+        "the best in `vtoken bench fleet`), prefix (weighted plus the share of the prompt a replica's prefix cache "
+        "holds, with a balance guard), free_blocks, round_robin, power_of_two or best_fit",
     )
     stale_after_s: float = Field(
         3.0,

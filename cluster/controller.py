@@ -30,11 +30,12 @@ from typing import Any, NamedTuple
 
 import ray
 
-from actors.report import ReplicaReport
+from actors.report import ReplicaReport, prefix_capacity
 from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
 from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
 from cluster.placement import ReplicaView, make_strategy
+from cluster.prefix_index import PrefixIndex
 from cluster.replica_status import ReplicaStatus
 from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
 
@@ -66,6 +67,8 @@ class Controller(ReplicaLifecycle):
         # with a report that counts them, with their replica, or after promise_ttl_s (a request whose end the
         # controller never heard of: a gateway gone, a lost message); the rest keep the last few entries.
         self.promises: dict[str, Promise] = {}
+        # What each serving replica's prefix cache holds (its reports' deltas), dropped when it stops serving.
+        self.prefix: dict[str, PrefixIndex] = {}
         self.decisions: collections.deque = collections.deque(maxlen=50)
         # Cumulative counts for /metrics: placements by (strategy, replica), pruned to live replicas each
         # second; scaling decisions by (direction, trigger), four keys at most.
@@ -129,24 +132,45 @@ class Controller(ReplicaLifecycle):
         return [f for f in finals if f]
 
     # ------------------------------------------------------------------ reports and promises
-    async def report(self, name: str, r: ReplicaReport) -> None:
+    async def report(self, name: str, r: ReplicaReport) -> bool:
+        """A replica's report. True asks it for a snapshot of its prefix cache with its next report (its delta did
+        not follow the last one applied: cluster/prefix_index.py)."""
         self._ensure_running()
         st = self.replicas.get(name)
         if st is None and self._may_adopt(name) and self._adopt(name, "it reported after a controller restart"):
             st = self.replicas[name]
         if st is None or not st.state.takes_reports():
-            return
+            return False
         if r.draining and st.state is not S.DRAINING:  # the incarnation before a restart was draining it
             self._spawn(self._drain(st, why="it was draining when the controller restarted"))
-            return
-        if st.report.incarnation != r.incarnation:  # a new process or engine: old promises are void
+            return False
+        if st.report.incarnation != r.incarnation:  # a new process or engine: old promises and cache are void
             self._void_promises(name)
+            self._drop_prefix(name)
         for rid in r.pool.admitted:
             p = self.promises.get(rid)
             if p is not None and p.replica == name:
                 del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
         self._on_health(st, r)
+        return self._prefix_report(name, r)
+
+    def _prefix_report(self, name: str, r: ReplicaReport) -> bool:
+        """Apply the report's prefix delta to the replica's index (made at its first delta while it serves)."""
+        st = self.replicas.get(name)
+        if r.prefix is None or st is None or not st.state.serving():
+            return False
+        index = self.prefix.get(name)
+        if index is None:
+            index = self.prefix[name] = PrefixIndex(prefix_capacity(r.pool.total_blocks))
+        if index.apply(r.prefix):
+            return False
+        log.info("replica %s: prefix delta %d does not follow %d; asking for a snapshot", name, r.prefix.seq,
+                 index.seq)  # fmt: skip
+        return True
+
+    def _drop_prefix(self, name: str) -> None:
+        self.prefix.pop(name, None)
 
     def _may_adopt(self, name: str) -> bool:
         return (
@@ -252,18 +276,29 @@ class Controller(ReplicaLifecycle):
         return replica_views(take_snapshot(self), self.cfg.placement.stale_after_s)
 
     async def place(
-        self, request_id: str, need_blocks: int, exclude: tuple[str, ...] = (), tokens: int = 0
+        self,
+        request_id: str,
+        need_blocks: int,
+        exclude: tuple[str, ...] = (),
+        tokens: int = 0,
+        prefix: tuple[int, ...] = (),
     ) -> tuple | None:
         """(name, handle) of the replica chosen for the request, or None if no replica can take it now.
-        ``tokens``: the request's prompt and max_tokens (work the replica's reports do not count yet)."""
+        ``tokens``: the request's prompt and max_tokens (work the replica's reports do not count yet); ``prefix``:
+        its prompt's block hashes (vtoken/prefix_hash.py), matched against each replica's prefix cache."""
         self._ensure_running()
-        views = [v for v in self._views() if v.name not in exclude]
+        views = [self._with_prefix(v, prefix) for v in self._views() if v.name not in exclude]
         if not views:
             return None
         v = self.strategy.choose(views, need_blocks)
         self.promises[request_id] = Promise(v.name, need_blocks, time.monotonic(), tokens)
         self.placements[self.cfg.placement.strategy, v.name] += 1
         return v.name, self.replicas[v.name].handle
+
+    def _with_prefix(self, v: ReplicaView, prefix: tuple[int, ...]) -> ReplicaView:
+        index = self.prefix.get(v.name)
+        hit = index.match(prefix) if index is not None and prefix else 0
+        return v._replace(prompt_blocks=len(prefix), prefix_blocks=hit)
 
     async def set_placement(self, strategy: str) -> None:
         """Switch the strategy live (side-by-side measurements on the same replicas)."""

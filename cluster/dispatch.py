@@ -140,7 +140,8 @@ class Dispatcher:
         spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
-            placed, why = await self._place(rid, need, tried, deadline, len(req.prompt_token_ids) + req.max_tokens)
+            placed, why = await self._place(rid, need, tried, deadline, len(req.prompt_token_ids) + req.max_tokens,
+                                            req.prefix_hashes)  # fmt: skip
             if placed is None:
                 raise Refused("unavailable", f"no replica: {why}; retry the request")
             name, replica = placed
@@ -195,7 +196,9 @@ class Dispatcher:
                 stream.close()
         raise Refused("unavailable", f"request failed on {len(tried)} replicas: {', '.join(tried)}")
 
-    async def _place(self, rid: str, need: int, tried: list[str], deadline: float | None, tokens: int = 0):
+    async def _place(
+        self, rid: str, need: int, tried: list[str], deadline: float | None, tokens: int = 0, prefix: tuple = ()
+    ):
         """Ask the controller until a replica is available (a replica or the controller itself may be
         restarting), up to place_timeout_s: (name, handle), or None and why none."""
         loop = asyncio.get_running_loop()
@@ -204,19 +207,21 @@ class Dispatcher:
             t_end = min(t_end, deadline)
         while True:
             try:
-                placed, why = await self._ask_place(rid, need, tried, tokens, t_end), "no live replica can take it"
+                placed = await self._ask_place(rid, need, tried, tokens, t_end, prefix)
+                why = "no live replica can take it"
             except (ray.exceptions.RayError, TimeoutError) as e:  # the controller is down or restarting
                 placed, why = None, f"the controller is not answering ({type(e).__name__}; Ray restarts it)"
             if placed is not None or loop.time() >= t_end:
                 return placed, why
             await asyncio.sleep(0.2)
 
-    async def _ask_place(self, rid: str, need: int, tried: list[str], tokens: int, t_end: float):
+    async def _ask_place(self, rid: str, need: int, tried: list[str], tokens: int, t_end: float, prefix: tuple = ()):
         """One placement, bounded by ``t_end``: a call to a controller Ray is restarting waits for it."""
         timeout = max(t_end - asyncio.get_running_loop().time(), 0.5)
-        placed = await asyncio.wait_for(self.controller.place.remote(rid, need, tuple(tried), tokens), timeout)
+        place = self.controller.place
+        placed = await asyncio.wait_for(place.remote(rid, need, tuple(tried), tokens, prefix), timeout)
         if placed is None and tried:  # everything else is down: the one that failed may be back
-            placed = await asyncio.wait_for(self.controller.place.remote(rid, need, (), tokens), timeout)
+            placed = await asyncio.wait_for(place.remote(rid, need, (), tokens, prefix), timeout)
         return placed
 
 

@@ -164,6 +164,7 @@ class Gateway:
                     self.g.max_prompt_chars,
                     self.cfg.vtoken,
                     self.cfg.max_logprobs,
+                    self.cfg.engine.block_size,
                 )  # fmt: skip
             )
         except BadRequest as e:

@@ -16,6 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from cluster.proto import vtoken_pb2 as pb
 from cluster.requests import BadRequest, Limits, ValidRequest, chat, completion, vtoken_options
+from vtoken.prefix_hash import prefix_hashes
 
 
 def parse(raw: bytes) -> pb.GenerateRequest:
@@ -89,7 +90,9 @@ def validate(
     max_prompt_chars: int,
     served_vtoken: dict[str, Any] | None = None,
     max_logprobs: int = 20,
+    block_size: int = 0,
 ) -> ValidRequest:
+    """The request checked, its prompt rendered and tokenized; with ``block_size``, its prompt's block hashes."""
     rid = msg.request_id or uuid.uuid4().hex
     if len(rid) > 128 or not rid.isprintable():
         raise BadRequest("request_id must be printable and at most 128 characters", "request_id")
@@ -113,4 +116,5 @@ def validate(
         sampling=parsed.sampling,
         deadline_s=deadline,
         eviction=eviction,
+        prefix_hashes=prefix_hashes(parsed.prompt_token_ids, block_size) if block_size else (),
     )

@@ -119,8 +119,8 @@ class ReplicaState:
 
 class ReplicaLifecycle:
     """The replicas' actors and statuses. The controller inherits it and provides ``cfg``, ``factory``,
-    ``replicas`` (name -> ReplicaState, a replica leaves it only through ``_remove``), ``seq``, ``recoveries``
-    and ``_void_promises(name)``."""
+    ``replicas`` (name -> ReplicaState, a replica leaves it only through ``_remove``), ``seq``, ``recoveries``,
+    ``_void_promises(name)`` and ``_drop_prefix(name)``."""
 
     cfg: ServeConfig
     factory: EngineFactory
@@ -129,6 +129,10 @@ class ReplicaLifecycle:
     recoveries: Any  # deque of seconds from a death to serving again
 
     def _void_promises(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _drop_prefix(self, name: str) -> None:
+        """Forget what the replica's prefix cache held (a replica that stops serving, or is removed)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ status
@@ -140,6 +144,7 @@ class ReplicaLifecycle:
         st.state = to
         if not to.serving():
             self._void_promises(st.name)
+            self._drop_prefix(st.name)
         now = time.monotonic()
         if to is S.DEAD:
             st.died_at = st.died_at or now
@@ -156,6 +161,7 @@ class ReplicaLifecycle:
     def _remove(self, st: ReplicaState, why: str) -> None:
         self.replicas.pop(st.name, None)
         self._void_promises(st.name)
+        self._drop_prefix(st.name)
         log.info("replica %s removed: %s", st.name, why)
 
     # ------------------------------------------------------------------ create, start, restart, drain

@@ -7,8 +7,8 @@ a series). Two sources:
   requests by front door and outcome (``vtoken:requests_total{door, status}``);
 * read from the controller's snapshot at each scrape (``ClusterCollector``), one series per replica: the
   engine's PoolReport (running, waiting, KV usage, preemptions, vToken's reclaimed / retained / naive-retained
-  blocks, live tokens, fragmentation, tokens moved and evicted, compaction seconds), plus placements by
-  strategy and scaling decisions.
+  blocks, live tokens, fragmentation, tokens moved and evicted, compaction seconds), vLLM's prefix-cache queries
+  and hits and the blocks placement knows its prefix cache holds, plus placements by strategy and scaling decisions.
 """
 
 from __future__ import annotations
@@ -144,6 +144,13 @@ POOL_SERIES = (
 )  # fmt: skip
 
 
+# vLLM's own prefix-cache counters (vllm/v1/metrics/loggers.py), per replica: prompt tokens looked up, and found.
+PREFIX_SERIES = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens", "prefix_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", "prefix_hits"),
+)
+
+
 class ClusterCollector:
     """Per-replica series from the controller's snapshot, which the scrape sets just before collecting. A
     replica restarted with a new engine starts its counters at 0 again (Prometheus reads that as a reset)."""
@@ -164,6 +171,18 @@ class ClusterCollector:
             for r in snap.replicas:
                 fam.add_metric([self.model, r.name], float(getattr(r.report.pool, attr)))
             yield fam
+        for name, doc, attr in PREFIX_SERIES:
+            fam = CounterMetricFamily(name, doc, labels=LABELS)
+            for r in snap.replicas:
+                fam.add_metric([self.model, r.name], float(getattr(r.report, attr)))
+            yield fam
+        cached = GaugeMetricFamily(
+            "vtoken:prefix_cached_blocks",
+            "Blocks of the replica's prefix cache that placement knows of (its reports' KV events)", labels=LABELS,
+        )  # fmt: skip
+        for r in snap.replicas:
+            cached.add_metric([self.model, r.name], r.prefix_blocks)
+        yield cached
         promised = GaugeMetricFamily(
             "vtoken:promised_blocks", "Blocks of requests placed on the replica that its report does not count yet",
             labels=LABELS,

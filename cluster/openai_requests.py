@@ -35,6 +35,7 @@ from cluster.requests import (
     protocol_model,
     vtoken_options,
 )
+from vtoken.prefix_hash import prefix_hashes
 
 
 class ModelNotFound(LookupError):
@@ -101,7 +102,8 @@ def _request(parsed: Parsed, logprobs: bool, options: Any, cfg: ServeConfig) -> 
     req = parsed.request
     eviction = vtoken_options(options, cfg.vtoken)
     valid = ValidRequest(request_id="", prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
-                         eviction=eviction)  # fmt: skip
+                         eviction=eviction,
+                         prefix_hashes=prefix_hashes(parsed.prompt_token_ids, cfg.engine.block_size))  # fmt: skip
     # vLLM's should_include_usage (vllm/entrypoints/serve/utils/api_utils.py): continuous usage needs include_usage.
     opts = req.stream_options if req.stream else None
     usage = bool(opts and opts.include_usage)

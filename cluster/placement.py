@@ -18,7 +18,8 @@ class ReplicaView(NamedTuple):
     ``pending`` counts those requests: queued from the controller's side, though no report shows them yet.
     ``tokens_to_go``: the work left there, in tokens: what its running requests have still to read of their
     prompts and to generate (``max_tokens``), by its last report, plus the whole prompt and ``max_tokens`` of
-    each pending request."""
+    each pending request. ``prompt_blocks``: the full blocks of the prompt being placed; ``prefix_blocks``: how many
+    of its leading blocks the replica's prefix cache holds (cluster/prefix_index.py), so it would not compute them."""
 
     name: str
     free_blocks: int
@@ -30,10 +31,22 @@ class ReplicaView(NamedTuple):
     stale: bool = False
     pending: int = 0
     tokens_to_go: int = 0
+    prompt_blocks: int = 0
+    prefix_blocks: int = 0
 
     @property
     def effective_free(self) -> int:
         return self.free_blocks - self.promised
+
+    @property
+    def prefix_share(self) -> float:
+        """The share of the prompt's full blocks it would read from its cache."""
+        return self.prefix_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def requests(self) -> int:
+        """Requests there by the controller's count: running and waiting by its last report, and placed since."""
+        return self.running + self.waiting + self.pending
 
 
 class PlacementStrategy(ABC):
@@ -100,7 +113,7 @@ class Weighted(PlacementStrategy):
     def __init__(self, w_free: float = 1.0, w_work: float = 1.0, w_waiting: float = 1.0):
         self.w = (w_free, w_work, w_waiting)
 
-    def choose(self, replicas, need_blocks):
+    def scores(self, replicas: list[ReplicaView]) -> dict[str, float]:
         most_work = max(r.tokens_to_go for r in replicas) or 1
         most_waiting = max(r.waiting for r in replicas) or 1
         wf, ww, wq = self.w
@@ -109,7 +122,59 @@ class Weighted(PlacementStrategy):
             free = r.effective_free / r.total_blocks if r.total_blocks else 0.0
             return wf * free - ww * r.tokens_to_go / most_work - wq * r.waiting / most_waiting
 
-        return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, score(r), r.name))
+        return {r.name: score(r) for r in replicas}
+
+    def choose(self, replicas, need_blocks):
+        score = self.scores(replicas)
+        return max(replicas, key=lambda r: (r.effective_free >= need_blocks, not r.stale, score[r.name], r.name))
+
+
+class Prefix(PlacementStrategy):
+    """Weighted's score plus the share of the prompt a replica would read from its prefix cache (``w_prefix`` x
+    ``prefix_share``), as llm-d's scheduler adds its prefix-cache scorer to its load scorers and Ray Serve's
+    PrefixCacheAffinityRouter prefers the replica with the longest match. A conversation's next turn then goes where
+    its last turn left its blocks, and skips their prefill there. Weighted's three terms span up to 3 (each against
+    the busiest replica, so the busier of two counts fully busy however little it holds): at the default weight, 3
+    (llm-d's default profile weighs its prefix-cache scorer 3 to its queue scorer's 2), a whole prompt in the cache
+    outweighs them, and the guard alone keeps the load in balance.
+
+    Balance guard: one hot prefix must not pile every request onto the replica that holds it. The weighted choice is
+    taken instead when the best match covers less than ``min_share`` of the prompt (too little to pay for a busier
+    replica), or when the replica it picked carries more than ``max_extra_requests`` requests or ``max_extra_work``
+    tokens of work beyond the least loaded replica that fits (the Router's imbalance threshold). Replicas that fit the
+    request come first and stale reports last, as for ``weighted``."""
+
+    def __init__(
+        self,
+        w_prefix: float = 3.0,
+        min_share: float = 0.1,
+        max_extra_requests: int = 2,
+        max_extra_work: int = 4096,
+        weighted: Weighted | None = None,
+    ):
+        self.w_prefix, self.min_share = w_prefix, min_share
+        self.max_extra_requests, self.max_extra_work = max_extra_requests, max_extra_work
+        self.weighted = weighted or Weighted()
+
+    def choose(self, replicas, need_blocks):
+        score = self.weighted.scores(replicas)
+
+        def rank(r: ReplicaView, prefix: float) -> tuple:
+            return r.effective_free >= need_blocks, not r.stale, score[r.name] + prefix * r.prefix_share, r.name
+
+        fallback = max(replicas, key=lambda r: rank(r, 0.0))
+        best = max(replicas, key=lambda r: rank(r, self.w_prefix))
+        if best is fallback or best.prefix_share < self.min_share or self.overloaded(best, replicas, need_blocks):
+            return fallback
+        return best
+
+    def overloaded(self, r: ReplicaView, replicas: list[ReplicaView], need_blocks: int) -> bool:
+        """More requests or work on ``r`` than the guard allows beyond the least loaded replica that fits."""
+        fit = [v for v in replicas if v.effective_free >= need_blocks and not v.stale] or replicas
+        return (
+            r.requests - min(v.requests for v in fit) > self.max_extra_requests
+            or r.tokens_to_go - min(v.tokens_to_go for v in fit) > self.max_extra_work
+        )
 
 
 STRATEGIES: dict[str, Callable[[], PlacementStrategy]] = {
@@ -118,6 +183,7 @@ STRATEGIES: dict[str, Callable[[], PlacementStrategy]] = {
     "power_of_two": PowerOfTwo,
     "best_fit": BestFit,
     "weighted": Weighted,
+    "prefix": Prefix,
 }
 
 

@@ -419,6 +419,9 @@ class ValidRequest(BaseModel):
     sampling: dict[str, Any]  # non-default vllm.SamplingParams fields (sampling_kwargs), max_tokens among them
     deadline_s: float | None = None
     eviction: Eviction | None = None  # the request's own eviction options, checked (vtoken_options)
+    # The prompt's block hashes (vtoken/prefix_hash.py), computed in the parse worker: placement matches them against
+    # the replicas' prefix caches. Empty: placement weighs no prefix.
+    prefix_hashes: tuple[int, ...] = ()
 
     @property
     def max_tokens(self) -> int:

@@ -27,6 +27,7 @@ class ReplicaSnapshot(NamedTuple):
     report_age_s: float = -1.0  # seconds since the last report was received, -1 before the first
     promised_requests: int = 0  # the requests those promised blocks belong to
     promised_tokens: int = 0  # their prompts and max_tokens: work left there that no report counts yet
+    prefix_blocks: int = 0  # blocks of its prefix cache the controller's index holds (cluster/prefix_index.py)
 
 
 class ClusterSnapshot(NamedTuple):
@@ -60,6 +61,7 @@ def take_snapshot(ctl: Any) -> ClusterSnapshot:
                 now - st.reported_at if st.reported_at else -1.0,
                 pending[st.name],
                 tokens[st.name],
+                len(ctl.prefix[st.name]) if st.name in getattr(ctl, "prefix", {}) else 0,
             )
             for st in sorted(ctl.replicas.values(), key=lambda s: s.name)
         ),

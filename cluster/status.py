@@ -27,6 +27,9 @@ FIELDS = (
     "live_tokens",
     "running",
     "waiting",
+    "prefix_queries",
+    "prefix_hits",
+    "prefix_blocks",
 )
 
 
@@ -42,6 +45,10 @@ def cluster_status(snap: ClusterSnapshot) -> dict[str, Any]:
                 **{k: int(getattr(pool, f)) for k, f in POOL_FIELDS.items()},
                 "report_age_s": round(r.report_age_s, 2) if r.report_age_s >= 0 else -1.0,
                 "promised_blocks": r.promised_blocks,
+                # its prefix cache: vLLM's counters (prompt tokens looked up, found), the blocks placement knows of
+                "prefix_queries": r.report.prefix_queries,
+                "prefix_hits": r.report.prefix_hits,
+                "prefix_blocks": r.prefix_blocks,
                 # where it runs (from its last report; empty before the first)
                 "node_ip": r.report.node_ip,
                 "node_id": r.report.node_id,
@@ -107,6 +114,8 @@ COLUMNS = (
     ("live_tokens", "live"),
     ("running", "running"),
     ("waiting", "waiting"),
+    ("prefix_hit_rate", "prefix_hit"),
+    ("prefix_blocks", "cached"),
     ("report_age_s", "age_s"),
     ("node_ip", "node"),
     ("node_id", "node_id"),
@@ -137,7 +146,16 @@ def render_table(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def hit_rate(row: dict[str, Any]) -> float | None:
+    """The share of prompt tokens looked up in the prefix cache that were found there (None: none looked up)."""
+    queries = int(row.get("prefix_queries") or 0)
+    return int(row.get("prefix_hits") or 0) / queries if queries else None
+
+
 def _cell(row: dict[str, Any], key: str) -> str:
+    if key == "prefix_hit_rate":
+        rate = hit_rate(row)
+        return "-" if rate is None else f"{100 * rate:.0f}%"
     value = row.get(key, "")
     if key == "node_id":
         return str(value)[:SHORT_ID]

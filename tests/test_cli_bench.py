@@ -95,6 +95,9 @@ QUICK = {
         and set(o["bursts"]["results"]) == set(o["sweep"]["results"])
         and o["capacity_scale"]["replicas"] == o["needed"]["scale"]
         and set(o["capacity_scale"]["results"]) == set(o["sweep"]["results"])
+        and {r["strategy"] for r in o["chat"]["rows"]} == {"round_robin", "weighted", "prefix", "prefix_oracle"}
+        and all(0 <= r["hit_rate"] <= 1 for r in o["chat"]["rows"])
+        and o["targets"]["chat_prefix_vs_weighted"]
     ),
 }
 
@@ -147,6 +150,25 @@ def test_bench_goodput_plumbing_on_the_fake_engine(tmp_path):
     assert "load average" in (tmp_path / "goodput.md").read_text()
     assert "rounds won / tied / lost" in (tmp_path / "goodput.md").read_text()
     assert (tmp_path / "goodput.png").stat().st_size > 5000
+
+
+def test_bench_chat_plumbing_on_the_fake_engine(tmp_path):
+    """The chat benchmark end to end on the fake engine (embedded Ray, the OpenAI door, three servers, /metrics'
+    prefix counters): its structure, in well under a minute. Its --quick form on tiny-llama starts three vLLM servers
+    (about two minutes on this machine), so it is not part of the smoke runs."""
+    from vtoken.cli import main
+
+    assert main(["bench", "chat", "--quick", "--engine", "fake", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "chat.json").read_text())
+    assert {"benchmark", "command", "settings", "machine", "seconds", "load"} <= set(out)
+    assert set(out["placement"]) == {"round_robin", "weighted", "prefix"}
+    turns = {r["turns"] for r in out["placement"].values()} | {out["single"][m]["turns"] for m in ("vtoken", "off")}
+    assert len(turns) == 1 and out["short_pool"]["turns"] in turns  # the same shapes in every run
+    for r in [*out["placement"].values(), out["single"]["vtoken"], out["single"]["off"], out["short_pool"]]:
+        assert r["ttft"]["p50_s"] > 0 and 0 < r["hit_rate"] <= 1 and r["tokens_per_s"] > 0
+    assert out["single"]["replies_agree"]["equal"] == 1.0  # the fake answers alike in every mode
+    assert 0 <= out["short_pool"]["replies_vs_full_kv"]["equal"] <= 1
+    assert "short pool" in (tmp_path / "chat.md").read_text() and (tmp_path / "chat.png").stat().st_size > 5000
 
 
 def test_rounds_against_round_robin_counts_each_round_at_each_deadline():

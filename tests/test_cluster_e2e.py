@@ -98,6 +98,30 @@ def test_vllms_own_benchmark_client_gets_every_request_served(served, backend, e
     assert "/tokenize unavailable" not in r.stdout + r.stderr
 
 
+def test_a_conversation_follows_its_prefix_cache_on_real_replicas(served):
+    """vLLM's KV events, from each replica's EngineCore process through its reports to the controller's index: under
+    placement "prefix" a conversation's next turns go where its first turn's blocks are, and read them from there
+    (vLLM's own prefix-cache counters, in vtoken status)."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    first = " ".join(words[i % len(words)] for i in range(300))  # about 400 tokens: 12 whole blocks
+    served.ray_get(served.controller.set_placement.remote("prefix"), timeout=30)
+    try:
+        st = stub(served.port)
+        out = generate(st, prompt=first, max_tokens=4, temperature=0.0, ignore_eos=True)
+        home, blocks = out[-1].replica, out[-1].prompt_tokens // 32
+        assert blocks >= 10
+        wait_for(lambda: {r["name"]: r["prefix_blocks"] for r in status(st)["replicas"]}[home] >= blocks, timeout=30,
+                 what="the replica's KV events in the controller's index")  # fmt: skip
+        hits = {r["name"]: r["prefix_hits"] for r in status(st)["replicas"]}[home]
+        turns = [generate(st, prompt=first + " and" * k, max_tokens=4, temperature=0.0, ignore_eos=True)[-1].replica
+                 for k in range(1, 4)]  # fmt: skip
+        assert turns == [home] * 3, (home, turns)
+        wait_for(lambda: {r["name"]: r["prefix_hits"] for r in status(st)["replicas"]}[home] >= hits + 3 * blocks * 32,
+                 timeout=30, what="three turns' hits counted by vLLM")  # fmt: skip
+    finally:
+        served.ray_get(served.controller.set_placement.remote("weighted"), timeout=30)
+
+
 def test_over_long_prompt_is_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub(served.port), prompt="word " * 3000, max_tokens=8)

@@ -168,3 +168,61 @@ def test_sla_throughput_is_the_last_load_met_before_the_first_miss(monkeypatch):
     assert study.capacity(None, study.FleetSpec(), setup, 2, 14.0) == {"rate": None, "first_miss": 14.0}
     misses.discard(14.0)  # the coarse miss at 22 (2, 6, ..., 18 met), then 19 met and 20 missed
     assert study.capacity(None, study.FleetSpec(), setup, 2, 2.0) == {"rate": 19.0, "first_miss": 20.0}
+
+
+# ------------------------------------------------------------------------------ prefix caches (issue 43)
+def test_a_conversations_next_turn_reads_its_cached_blocks_by_hand():
+    """Turn 1 (64 tokens, blocks 1 and 2) prefills (10 + 6.4 ms) and decodes twice (11 ms each): done at 38.4 ms,
+    its 66 computed tokens leave blocks 1 and 2 in the cache. Turn 2 arrives 1 s later with 128 tokens (blocks 1-4):
+    it reads 64 from the cache and prefills 64 (16.4 ms), where without a cache it prefills all 128 (22.8 ms)."""
+    turn2 = Request(1, 0.0, 128, 2, prefix=(1, 2, 3, 4), think_s=1.0)
+    turn1 = Request(0, 0.0, 64, 3, prefix=(1, 2), then=turn2)
+    fleet, out = run([turn1], replicas=1, pools=(100,), prefix_cache=True)
+    assert out.done[0] == pytest.approx(0.0384) and out.arrived[1] == pytest.approx(1.0384)
+    assert out.hit == {0: 0, 1: 64}
+    assert out.first[1] - out.arrived[1] == pytest.approx(0.0164)
+    _, cold = run([turn1], replicas=1, pools=(100,))
+    assert cold.hit == {0: 0, 1: 0} and cold.first[1] - cold.arrived[1] == pytest.approx(0.0228)
+    # the controller's index, fed by the reports' deltas, holds what the replica's cache holds
+    (name,) = fleet.replicas
+    assert set(fleet.index[name].hashes) == set(fleet.replicas[name].cache.names) == {1, 2, 3, 4}
+
+
+def test_the_cache_is_bounded_by_the_pool_and_drops_the_least_recently_used():
+    from cluster.sim.prefix_cache import PrefixCache
+
+    c = PrefixCache(3)
+    c.store([1, 2, 3])
+    c.touch([1])
+    c.store([4])  # 2 is the least recently used
+    c.check_integrity()
+    assert list(c.names) == [3, 1, 4] and c.match([1, 2]) == 1
+    d = c.cut()
+    assert d.seq == 1 and set(d.added) == {1, 3, 4} and d.removed == ()  # 2 came and went between two reports
+    assert c.cut().seq == 1  # nothing since: an empty delta under the last number
+
+
+def chat_spec(horizon_s=10.0):
+    return study.ChatFleetSpec(horizon_s=horizon_s)
+
+
+def test_prefix_placement_follows_conversations_near_the_oracle_and_far_above_weighted():
+    """16 replicas, conversations over 4 shared system prompts: every strategy caches the system prompts, only the
+    prefix-aware ones find each conversation's own blocks again. prefix, placing by the controller's index of each
+    cache (the reports' deltas), comes within 3 points of the oracle that reads every cache, under the same guard."""
+    real = calibration.load()
+    got = {s: study.chat_run(real, chat_spec(), s, 16, 16.0) for s in ("round_robin", "weighted", "prefix",
+                                                                          "prefix_oracle")}  # fmt: skip
+    hit = {s: r["hit_rate"] for s, r in got.items()}
+    assert hit["prefix"] > hit["weighted"] + 0.15 and hit["prefix"] > hit["round_robin"] + 0.15, hit
+    assert abs(hit["prefix_oracle"] - hit["prefix"]) < 0.03, hit
+    assert len({r["turns"] for r in got.values()}) == 1  # the same conversations, all served
+    assert study.chat_run(real, chat_spec(), "prefix", 16, 16.0) == got["prefix"]  # seeded: the same run
+
+
+def test_a_planted_prefix_strategy_that_ignores_the_index_loses_its_hits(monkeypatch):
+    real = calibration.load()
+    before = study.chat_run(real, chat_spec(), "prefix", 16, 16.0)["hit_rate"]
+    monkeypatch.setattr(placement.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
+    after = study.chat_run(real, chat_spec(), "prefix", 16, 16.0)["hit_rate"]
+    assert after < before - 0.15

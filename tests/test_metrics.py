@@ -14,8 +14,9 @@ def _snapshot(**pool):
     from cluster.snapshot import ClusterSnapshot, ReplicaSnapshot
 
     p = empty_pool(32)._replace(**pool)
+    report = ReplicaReport("r1", "i", True, False, 0, 1.0, p, prefix_queries=400, prefix_hits=96)
     return ClusterSnapshot(
-        (ReplicaSnapshot("r1", ReplicaStatus.HEALTHY, ReplicaReport("r1", "i", True, False, 0, 1.0, p), 3),),
+        (ReplicaSnapshot("r1", ReplicaStatus.HEALTHY, report, 3, prefix_blocks=7),),
         {("free_blocks", "r1"): 5},
         {("out", "manual"): 1},
         1.0,
@@ -49,6 +50,9 @@ def test_metrics_render_per_replica_series_with_vllm_names_in_a_registry_of_thei
     assert got["vtoken:requests_total"] == ({"door": "http", "status": "ok"}, 1.0)
     assert got["vtoken:placements_total"] == ({"strategy": "free_blocks", "replica": "r1"}, 5.0)
     assert got["vtoken:autoscaler_decisions_total"] == ({"direction": "out", "trigger": "manual"}, 1.0)
+    # vLLM's prefix-cache counters as vLLM names them, per replica; the blocks placement knows the cache holds
+    assert got["vllm:prefix_cache_queries_total"] == ({"model_name": "m", "replica": "r1"}, 400.0)
+    assert got["vllm:prefix_cache_hits_total"][1] == 96 and got["vtoken:prefix_cached_blocks"][1] == 7
     other = [s.name for f in text_string_to_metric_families(b.render(None).decode()) for s in f.samples]
     assert other == ["vtoken:inflight_requests"]  # nothing of a's requests, no replica series without a snapshot
 
@@ -123,3 +127,18 @@ def test_the_grafana_dashboard_plots_only_series_the_server_exposes():
     assert {"vtoken:blocks_reclaimed", "vllm:kv_cache_usage_perc"} <= {
         n for t in dash["panels"][0]["targets"] for n in re.findall(r"(?:vllm|vtoken):[a-z_]+", t["expr"])
     }  # the headline: reclaimed blocks against KV usage, per replica
+    hit_rate = next(p for p in dash["panels"] if p["title"].startswith("Prefix-cache hit rate"))
+    assert {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"} <= {
+        n for t in hit_rate["targets"] for n in re.findall(r"(?:vllm|vtoken):[a-z_]+", t["expr"])
+    }
+
+
+def test_status_carries_each_replicas_prefix_cache_through_the_proto_and_the_table():
+    from cluster.status import cluster_status, from_proto, render_table, to_proto
+
+    st = from_proto(to_proto(cluster_status(_snapshot(total_blocks=10))))
+    (row,) = st["replicas"]
+    assert (row["prefix_queries"], row["prefix_hits"], row["prefix_blocks"]) == (400, 96, 7)
+    assert (st["totals"]["prefix_queries"], st["totals"]["prefix_hits"]) == (400, 96)
+    table = render_table(st)
+    assert "prefix_hit" in table.splitlines()[0] and " 24% " in table  # 96 of 400 tokens

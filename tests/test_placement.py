@@ -32,3 +32,40 @@ def test_round_robin_cycles_and_power_of_two_picks_the_better_of_two():
     assert {"free_blocks", "round_robin", "power_of_two", "best_fit", "weighted"} <= set(STRATEGIES)
     with pytest.raises(ValueError, match="unknown placement strategy"):
         make_strategy("x")
+
+
+# ------------------------------------------------------------------------------ prefix
+def prefix_views(**b):
+    """Two like replicas, "b" holding 8 of the prompt's 10 blocks; ``b`` overrides b's fields."""
+    a = ReplicaView("a", free_blocks=60, total_blocks=64, running=1, tokens_to_go=200, prompt_blocks=10)
+    return [a, a._replace(name="b", **{"prefix_blocks": 8, **b})]
+
+
+def test_prefix_sends_a_request_where_its_prefix_is_cached_though_weighted_would_not():
+    views = prefix_views(running=2, tokens_to_go=400)  # b a little busier
+    assert make_strategy("weighted").choose(views, 4).name == "a"
+    assert make_strategy("prefix").choose(views, 4).name == "b"
+    assert views[1].prefix_share == 0.8 and views[1].requests == 2
+
+
+def test_prefix_guard_a_loaded_replica_loses_despite_its_match():
+    """One hot prefix must not pile every request onto the replica that holds it: beyond max_extra_requests or
+    max_extra_work over the least loaded replica that fits, the weighted choice stands."""
+    p = make_strategy("prefix")
+    assert p.choose(prefix_views(pending=2, tokens_to_go=400), 4).name == "b"  # 2 more requests than "a": allowed
+    assert p.choose(prefix_views(pending=3, tokens_to_go=500), 4).name == "a"  # 3 more: the guard
+    busy = [v._replace(tokens_to_go=5000) for v in prefix_views()]
+    assert p.choose([busy[0], busy[1]._replace(tokens_to_go=5000 + 4096)], 4).name == "b"
+    assert p.choose([busy[0], busy[1]._replace(tokens_to_go=5000 + 4097)], 4).name == "a"  # more work than allowed
+    assert p.choose(prefix_views(free_blocks=3), 4).name == "a"  # does not fit the request
+    assert p.choose(prefix_views(stale=True), 4).name == "a"  # its report is stale
+
+
+def test_prefix_ignores_a_match_under_a_tenth_of_the_prompt_and_otherwise_is_weighted():
+    p, w = make_strategy("prefix"), make_strategy("weighted")
+    views = prefix_views(running=2, tokens_to_go=400, prefix_blocks=0)
+    assert p.choose(views, 4).name == w.choose(views, 4).name == "a"
+    small = [v._replace(prompt_blocks=20) for v in prefix_views(running=2, tokens_to_go=400, prefix_blocks=1)]
+    assert p.choose(small, 4).name == "a"  # 1 of 20 blocks: under min_share
+    none = [v._replace(prompt_blocks=0, prefix_blocks=0) for v in views]  # a prompt shorter than a block
+    assert p.choose(none, 4).name == "a" and "prefix" in STRATEGIES

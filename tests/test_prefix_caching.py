@@ -35,11 +35,13 @@ def test_a_conversations_next_turn_reads_its_last_turn_from_the_cache():
     from vllm.inputs import TokensPrompt
 
     from vtoken.vllm_adapter import open_llm
+    from vtoken.vllm_adapter.engine import prefix_caching
 
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
     first = prompts(1, lengths=(300,))[0]
     with open_llm(str(model_path("tiny-llama")), VTokenConfig(), dtype="float32", block_size=32, max_model_len=1024,
                   kv_cache_memory_bytes=64 << 20, seed=0, skip_tokenizer_init=True) as llm:  # fmt: skip
+        assert prefix_caching(llm)
         answer = list(llm.generate([TokensPrompt(prompt_token_ids=first)], sp, use_tqdm=False)[0].outputs[0].token_ids)
         turn2 = first + answer + prompts(1, lengths=(20,), seed=3)[0]
         out = llm.generate([TokensPrompt(prompt_token_ids=turn2)], sp, use_tqdm=False)[0]

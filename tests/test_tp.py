@@ -154,7 +154,9 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
                 enforce_eager=True,
                 tensor_parallel_size=tp,
                 distributed_executor_backend="mp",
-                enable_prefix_caching=False,  # as the TP=1 runs it is compared with (tests/vllm_harness.py)
+                # as the TP=1 runs it is compared with (test_vllm_engine._run): prompts repeated across policies would
+                # read each other's blocks, and tokens in shared blocks are never evicted
+                enable_prefix_caching=False,
             ),
         )
         try:

@@ -163,7 +163,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("name", "state", "free_blocks", "total_blocks", "promised_blocks", "blocks_reclaimed", "blocks_freed", "live_tokens", "running", "waiting", "report_age_s", "node_ip", "node_id", "pid")
+    __slots__ = ("name", "state", "free_blocks", "total_blocks", "promised_blocks", "blocks_reclaimed", "blocks_freed", "live_tokens", "running", "waiting", "report_age_s", "node_ip", "node_id", "pid", "prefix_queries", "prefix_hits", "prefix_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,9 @@ class ReplicaStatus(_message.Message):
     NODE_IP_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     free_blocks: int
@@ -192,7 +195,10 @@ class ReplicaStatus(_message.Message):
     node_ip: str
     node_id: str
     pid: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., promised_blocks: _Optional[int] = ..., blocks_reclaimed: _Optional[int] = ..., blocks_freed: _Optional[int] = ..., live_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., report_age_s: _Optional[float] = ..., node_ip: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    prefix_queries: int
+    prefix_hits: int
+    prefix_blocks: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., promised_blocks: _Optional[int] = ..., blocks_reclaimed: _Optional[int] = ..., blocks_freed: _Optional[int] = ..., live_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., report_age_s: _Optional[float] = ..., node_ip: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...
 
 class ScalingDecision(_message.Message):
     __slots__ = ("time", "from_replicas", "to_replicas", "reason")

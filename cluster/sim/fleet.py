@@ -8,19 +8,26 @@ step (on the real cluster a report goes out whenever free blocks move by 5% of a
 pools simulated here is nearly every step) and at least every ``report_interval_s`` during a decode run.
 A placed request's estimated blocks count as ``promised`` on its replica until a report shows it admitted, or
 it ends (``cluster/controller.py``: ``place``, ``report``, ``finished``).
+
+With ``prefix_cache``, each replica keeps a prefix cache (``prefix_cache.py``) and each report applies its delta to
+the controller's ``cluster/prefix_index.py`` PrefixIndex of it, from which placement sees each replica's leading
+hit for the request it places; a conversation's next turn arrives its think time after the last one ended.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from actors.report import prefix_capacity
 from cluster.autoscaler import Autoscaler
 from cluster.config import AutoscalingConfig
 from cluster.placement import ReplicaView, make_strategy
+from cluster.prefix_index import PrefixIndex
 from cluster.sim.calibration import Calibration
+from cluster.sim.oracle import SIM_STRATEGIES
 from cluster.sim.replica import Limits, Replica, Seq
 from cluster.sim.workload import Request
 from vtoken.core.budget import peak_blocks
@@ -47,6 +54,7 @@ class FleetConfig:
     recent: int = 16
     seed: int = 0
     check: bool = False  # tests: every replica's check_integrity() after every event
+    prefix_cache: bool = False  # replicas keep prefix caches, reported to placement (conversations' workloads)
 
 
 @dataclass
@@ -57,6 +65,8 @@ class Outcome:
     first: dict[int, float] = field(default_factory=dict)
     cancelled: set[int] = field(default_factory=set)
     placed_on: dict[int, str] = field(default_factory=dict)
+    hit: dict[int, int] = field(default_factory=dict)  # prompt tokens a completed request read from the prefix cache
+    arrived: dict[int, float] = field(default_factory=dict)  # a conversation's later turns arrive as the run goes
     replicas: list[tuple[float, int]] = field(default_factory=list)  # (time, replicas alive) at each change
     decisions: list[tuple[float, int, int, str]] = field(default_factory=list)
     preemptions: int = 0
@@ -65,7 +75,8 @@ class Outcome:
 class Fleet:
     def __init__(self, cfg: FleetConfig, cal: Calibration):
         self.cfg, self.cal = cfg, cal
-        self.strategy = make_strategy(cfg.strategy)
+        sim_only = SIM_STRATEGIES.get(cfg.strategy)
+        self.strategy = sim_only() if sim_only else make_strategy(cfg.strategy)
         if hasattr(self.strategy, "rng"):  # power_of_two draws at random: the same seed, the same run
             self.strategy.rng.seed(cfg.seed)
         self.autoscaler = Autoscaler(cfg.autoscaling) if cfg.autoscaling and cfg.autoscaling.enabled else None
@@ -87,6 +98,7 @@ class Fleet:
         self.promised_tokens: dict[str, int] = {}  # replica -> their prompt + max_tokens
         self.reported_tokens: dict[str, int] = {}  # replica -> tokens to go of its running requests, last report
         self.promises: dict[int, tuple[str, int, int]] = {}
+        self.index: dict[str, PrefixIndex] = {}  # the controller's index of each replica's prefix cache
         self.seqs: dict[int, Seq] = {}
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq_no = itertools.count()
@@ -104,10 +116,9 @@ class Fleet:
         for _ in range(self.cfg.replicas):
             self._create(ready_in=0.0)
         for r in reqs:
-            self._at(r.arrival, "arrive", r)
-            if r.deadline_s is not None:
-                self._at(r.arrival + r.deadline_s, "deadline", r.id)
-        horizon = until if until is not None else (max((r.arrival for r in reqs), default=0.0) + 3600)
+            self._arrival(r)
+        last = max((r.arrival + sum(t.think_s for t in r.turns()) for r in reqs), default=0.0)
+        horizon = until if until is not None else last + 3600
         if self.autoscaler:
             self._at(self.cfg.tick_s, "tick")
         handlers = {
@@ -134,6 +145,12 @@ class Fleet:
         self.out.preemptions += sum(r.preemptions for r in self.replicas.values())
         return self.out
 
+    def _arrival(self, r: Request) -> None:
+        self.out.arrived[r.id] = r.arrival
+        self._at(r.arrival, "arrive", r)
+        if r.deadline_s is not None:
+            self._at(r.arrival + r.deadline_s, "deadline", r.id)
+
     def _arrive(self, r: Request) -> None:
         views = list(self.healthy.values())
         if not views:  # no replica serves yet: the gateway retries; modelled as a retry 0.1 s later
@@ -142,6 +159,8 @@ class Fleet:
         c = self.cfg
         budgeted = (c.budget, c.sink, c.recent, c.prefill_chunk, r.prefill_evict) if c.estimate_with_budget else ()
         need = peak_blocks(r.prompt, r.output, self.cal.block_size, *budgeted)
+        if r.prefix and c.prefix_cache:
+            views = [v._replace(prompt_blocks=len(r.prefix), prefix_blocks=self._hit(v.name, r.prefix)) for v in views]
         name = self.strategy.choose(views, need).name
         self.out.placed_on[r.id] = name
         work = r.prompt + r.output
@@ -207,12 +226,25 @@ class Fleet:
         else:
             self._kick(rep)
 
+    def _hit(self, name: str, prefix: tuple[int, ...]) -> int:
+        """Leading blocks of ``prefix`` placement sees on ``name``: the controller's index, as its reports left it; a
+        strategy that knows every cache (``exact_prefix``) reads the replica's cache itself."""
+        if getattr(self.strategy, "exact_prefix", False):
+            return self.replicas[name].cache.match(prefix)
+        index = self.index.get(name)
+        return index.match(prefix) if index is not None else 0
+
     def _ended(self, s: Seq) -> None:
         rid = s.req.id
         self.left -= 1
         if not s.cancelled:
             self.out.done[rid] = self.now
             self.out.first[rid] = s.first_token_at if s.first_token_at is not None else self.now
+            self.out.hit[rid] = s.hit
+            nxt = s.req.then
+            if nxt is not None:  # the conversation's next turn, after its user's think time
+                self.left += 1
+                self._arrival(replace(nxt, arrival=self.now + nxt.think_s))
         self._unpromise(rid)
         self.seqs.pop(rid, None)
 
@@ -221,6 +253,10 @@ class Fleet:
         for s in rep.admitted_now:
             self._unpromise(s.req.id)
         rep.admitted_now = []
+        if rep.cache is not None and rep.name in self.healthy:
+            index = self.index.setdefault(rep.name, PrefixIndex(prefix_capacity(rep.pool)))
+            if not index.apply(rep.cache.cut()):
+                raise AssertionError(f"{rep.name}: a report's prefix delta was lost in the simulator")
         self.reported_tokens[rep.name] = sum(s.req.prompt - s.read + s.req.output - s.out for s in rep.running)
         if rep.name in self.healthy:
             self.healthy[rep.name] = ReplicaView(
@@ -259,7 +295,7 @@ class Fleet:
         i = next(self.names)
         name = f"r{i:04d}"
         pool = self.cfg.pools[(i - 1) % len(self.cfg.pools)]
-        self.replicas[name] = Replica(name, pool, self.limits, self.steps)
+        self.replicas[name] = Replica(name, pool, self.limits, self.steps, self.cfg.prefix_cache)
         self.out.replicas.append((self.now, len(self.replicas)))
         self._at(self.now + ready_in, "ready", name)
 
@@ -271,6 +307,7 @@ class Fleet:
 
     def _remove(self, name: str) -> None:
         rep = self.replicas.pop(name)
+        self.index.pop(name, None)
         self.out.preemptions += rep.preemptions
         self.draining.discard(name)
         self.out.replicas.append((self.now, len(self.replicas)))

@@ -7,7 +7,8 @@ Each step (``plan``), as ``vllm/v1/core/sched/scheduler.py`` Scheduler.schedule 
      A request that cannot get its blocks preempts the last running one (recompute: it waits again, at the
      front, and starts over), itself if it is the last;
   2. then waiting requests in arrival order, while the first chunk's blocks fit and there is token budget and
-     a sequence slot (first come, first served: the head that does not fit blocks the rest).
+     a sequence slot (first come, first served: the head that does not fit blocks the rest). With a prefix cache
+     (``prefix_cache.py``), an admitted request's prefill starts after its cached leading blocks.
 The step lasts ``StepTime.seconds`` of what it scheduled; its tokens take effect when it ends.
 
 A **decode run** stands for many identical steps at once (the simulator's only shortcut, exact for what it
@@ -25,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.sim.calibration import BlockProfile, StepTime
+from cluster.sim.prefix_cache import PrefixCache
 from cluster.sim.workload import Request
 from vtoken.core.budget import live_tokens
 
@@ -33,11 +35,11 @@ class Seq:
     """A request on a replica. ``ctx`` after a forward: prompt tokens read, or prompt + outputs when decoding
     (a decode forward writes the previous output's KV); ``held``: blocks it holds now."""
 
-    __slots__ = ("req", "profile", "read", "out", "held", "cancelled", "admitted", "first_token_at")
+    __slots__ = ("req", "profile", "read", "out", "held", "cancelled", "admitted", "first_token_at", "hit")
 
     def __init__(self, req: Request, profile: BlockProfile):
         self.req, self.profile = req, profile
-        self.read = self.out = self.held = 0
+        self.read = self.out = self.held = self.hit = 0  # hit: prompt tokens read from the prefix cache
         self.cancelled = self.admitted = False
         self.first_token_at: float | None = None
 
@@ -60,8 +62,9 @@ class Replica:
     """Invariant (``check_integrity``): ``used`` is the sum of ``held`` over running requests and never
     exceeds ``pool``; a waiting request holds nothing."""
 
-    def __init__(self, name: str, pool: int, limits: Limits, steps: StepTime):
+    def __init__(self, name: str, pool: int, limits: Limits, steps: StepTime, prefix_cache: bool = False):
         self.name, self.pool, self.lim, self.st = name, pool, limits, steps
+        self.cache = PrefixCache(pool) if prefix_cache else None
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.used = 0
@@ -88,6 +91,8 @@ class Replica:
             raise AssertionError(f"{self.name}: used {self.used} of {self.pool}, running hold {self.held_sum()}")
         if any(s.held for s in self.waiting):
             raise AssertionError(f"{self.name}: a waiting request holds blocks")
+        if self.cache is not None:
+            self.cache.check_integrity()
 
     def held_sum(self) -> int:
         return sum(s.held for s in self.running)
@@ -122,12 +127,16 @@ class Replica:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.lim.max_num_seqs:
             s = self.waiting[0]
-            new = min(s.req.prompt, cap, budget)
-            need = s.profile.blocks(new, True, bs)
+            start = self._cached(s)
+            new = min(s.req.prompt - start, cap, budget)
+            need = s.profile.blocks(start + new, True, bs)
             if need > self.free:
                 break
             self.waiting.popleft()
             self.running.append(s)
+            if start:
+                self.cache.touch(s.req.prefix[: start // bs])
+            s.read = s.hit = start
             s.admitted, s.held = True, need
             self.used += need
             self.admitted_now.append(s)
@@ -141,6 +150,13 @@ class Replica:
         self.step = sched
         self.ends_at = now + self.st.seconds(decodes, pre_tokens, len(sched) - decodes, kv)
         return self.ends_at
+
+    def _cached(self, s: Seq) -> int:
+        """Prompt tokens a request admitted now reads from the prefix cache: its leading cached blocks, short of its
+        last token (vLLM computes at least one: Scheduler's max_cache_hit_length = num_tokens - 1)."""
+        if self.cache is None or not s.req.prefix:
+            return 0
+        return min(self.cache.match(s.req.prefix), (s.req.prompt - 1) // self.lim.block_size) * self.lim.block_size
 
     def _preempt(self, s: Seq) -> None:
         self.running.remove(s)
@@ -205,6 +221,8 @@ class Replica:
                     s.read += new
                     if s.read == s.req.prompt:  # the last chunk's forward samples the first token
                         s.out, s.first_token_at = 1, now
+                        if self.cache is not None:
+                            self.cache.store(s.req.prefix)
                 else:
                     s.out += 1
         self.step = self.run = self.ends_at = None
@@ -213,6 +231,10 @@ class Replica:
             self.running.remove(s)
             self.used -= s.held
             s.held = 0
+            if self.cache is not None and not s.cancelled and s.req.then is not None:
+                # its answer's whole blocks too (the last sampled token's KV is never computed): the next turn's
+                # prompt starts with them
+                self.cache.store(s.req.then.prefix[: (s.req.prompt + s.req.output - 1) // self.lim.block_size])
         return ended
 
     def _apply_decodes(self, j: int) -> None:

@@ -18,9 +18,11 @@ from cluster.sim.fleet import Fleet as _Fleet
 from cluster.sim.fleet import FleetConfig, Outcome
 from cluster.sim.replica import Limits
 from cluster.sim.workload import (
+    ChatSpec,
     LengthSpec,
     Request,
     burst_times,
+    chat,
     diurnal_rate,
     goodput_load,
     poisson_times,
@@ -236,3 +238,68 @@ def day(
 def _thin(xs: list, n: int) -> list:
     step = max(1, len(xs) // n)
     return xs[::step] + ([xs[-1]] if xs and (len(xs) - 1) % step else [])
+
+
+# ---------------------------------------------------------------------------------------------- conversations
+@dataclass(frozen=True)
+class ChatFleetSpec:
+    """Conversations over shared system prompts (workload.py ``chat``) on replicas that keep prefix caches. The
+    replicas run without eviction (mode ``off``): vToken's default (pressure mode) keeps every token while the pool
+    holds what runs, so blocks stay whole and its prefix cache works as stock vLLM's."""
+
+    chat: ChatSpec = ChatSpec()
+    pools: tuple[int, ...] = (512,)  # 16K tokens of tiny-llama (32 MiB): a few dozen conversations' contexts
+    prefill_chunk: int | None = None
+    horizon_s: float = 60.0  # seconds of conversation starts
+    seed: int = 0
+
+
+def chat_run(cal: Calibration, spec: ChatFleetSpec, strategy: str, replicas: int, rate: float) -> dict[str, Any]:
+    """``rate`` conversations a second for ``spec.horizon_s`` on ``replicas``: each turn's TTFT (arrival to first
+    token), the share of prompt tokens read from the prefix cache (all turns, and turns after the first), the
+    tokens generated per second, and how unevenly the turns spread (the busiest replica's share over the mean)."""
+    rng = random.Random(spec.seed)
+    convs = chat(rng, poisson_times(rng, rate, spec.horizon_s), spec.chat)
+    cfg = FleetConfig(strategy=strategy, mode="off", replicas=replicas, pools=spec.pools,
+                      prefill_chunk=spec.prefill_chunk, prefix_cache=True)  # fmt: skip
+    out = simulate(cal, cfg, convs)
+    turns = [t for c in convs for t in c.turns() if t.id in out.done]
+    later = [t for c in convs for t in c.turns()[1:] if t.id in out.done]
+    ttft = sorted(out.first[t.id] - out.arrived[t.id] for t in turns)
+    span = max(out.done[t.id] for t in turns) - min(out.arrived[t.id] for t in turns) if turns else 1.0
+    per: dict[str, int] = {}
+    for t in turns:
+        per[out.placed_on[t.id]] = per.get(out.placed_on[t.id], 0) + 1
+    return {
+        "strategy": strategy,
+        "replicas": replicas,
+        "rate": rate,
+        "conversations": len(convs),
+        "turns": len(turns),
+        "hit_rate": _share(turns, out),
+        "hit_rate_later_turns": _share(later, out),
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "tokens_per_s": sum(t.output for t in turns) / span,
+        "imbalance": max(per.values()) / (len(turns) / replicas) if turns else 0.0,
+        "preemptions": out.preemptions,
+    }
+
+
+def chat_study(
+    cal: Calibration, spec: ChatFleetSpec, strategies, replicas: list[int], per_replica: float
+) -> dict[str, Any]:
+    """Each strategy on each fleet size, at ``per_replica`` conversations a second per replica."""
+    return {
+        "per_replica": per_replica,
+        "results": {n: [chat_run(cal, spec, s, n, per_replica * n) for s in strategies] for n in replicas},
+    }
+
+
+def _share(turns: list[Request], out: Outcome) -> float:
+    prompt = sum(t.prompt for t in turns)
+    return sum(out.hit[t.id] for t in turns) / prompt if prompt else 0.0
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None

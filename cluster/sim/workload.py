@@ -14,7 +14,10 @@ from dataclasses import dataclass, replace
 class Request:
     """``deadline_s``: the client gives up this long after ``arrival`` (None: never); the request is then
     cancelled on its replica, as the gateway does when a gRPC deadline passes. ``prefill_evict=False`` keeps
-    the whole prompt while it is read (retrieval over long prompts)."""
+    the whole prompt while it is read (retrieval over long prompts).
+    A conversation's turn (``chat``): ``prefix`` names the prompt's full blocks (as vtoken/prefix_hash.py would:
+    two prompts share block i's name only if they share blocks 0..i); ``then`` is the next turn, which arrives
+    ``then.think_s`` after this one ends (its ``arrival`` is set then), unless this one was cancelled."""
 
     id: int
     arrival: float
@@ -23,6 +26,17 @@ class Request:
     prefill_evict: bool = True
     deadline_s: float | None = None
     kind: str = ""
+    prefix: tuple[int, ...] = ()
+    then: Request | None = None
+    think_s: float = 0.0
+
+    def turns(self) -> list[Request]:
+        """This request and the turns after it."""
+        out, r = [], self
+        while r is not None:
+            out.append(r)
+            r = r.then
+        return out
 
 
 @dataclass(frozen=True)
@@ -95,4 +109,58 @@ def goodput_load(shape: dict[str, int], n: int = 12, gap_s: float = 0.05) -> lis
             (shape["heavy_prompt"], shape["heavy_output"]) if heavy else (shape["light_prompt"], shape["light_output"])
         )
         out.append(Request(i, i * gap_s, p, o, kind="heavy" if heavy else "light"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- conversations
+@dataclass(frozen=True)
+class ChatSpec:
+    """Conversations over a few shared system prompts: each conversation picks one of ``systems`` system prompts
+    (``system_tokens`` each), then ``turns`` user messages (log-normal lengths), each answered before the next
+    arrives ``think_s`` (exponential mean) later. A turn's prompt is the system prompt, every earlier message and
+    answer, and its message; a conversation ends early rather than outgrow ``max_model_len``."""
+
+    systems: int = 4
+    system_tokens: int = 384
+    turns: tuple[int, int] = (4, 8)
+    user_median: float = 40
+    user_sigma: float = 0.6
+    output_median: float = 48
+    output_sigma: float = 0.5
+    think_s: float = 5.0
+    max_model_len: int = 1024
+    block_size: int = 32
+
+
+def chat_block(system: int, conversation: int, i: int, spec: ChatSpec) -> int:
+    """Block i of a conversation's token stream: the system prompt's own while it lies inside it, else the
+    conversation's."""
+    if (i + 1) * spec.block_size <= spec.system_tokens:
+        return (1 << 62) | (system << 32) | i
+    return (2 << 62) | (conversation << 20) | i
+
+
+def chat(rng: random.Random, times: list[float], spec: ChatSpec, first_id: int = 0) -> list[Request]:
+    """One conversation starting at each of ``times``: its first turns, each carrying the turns after it."""
+    out, rid = [], first_id
+    for c, t in enumerate(times):
+        system = rng.randrange(spec.systems)
+        turns: list[tuple[int, int, float]] = []  # (prompt, output, think_s)
+        context = spec.system_tokens
+        for k in range(rng.randint(*spec.turns)):
+            user = lognormal(rng, spec.user_median, spec.user_sigma, 1, spec.max_model_len)
+            output = lognormal(rng, spec.output_median, spec.output_sigma, 1, spec.max_model_len)
+            if context + user + output > spec.max_model_len:
+                break
+            turns.append((context + user, output, rng.expovariate(1 / spec.think_s) if k else 0.0))
+            context += user + output
+        nxt: Request | None = None
+        for k in range(len(turns) - 1, -1, -1):
+            prompt, output, think = turns[k]
+            prefix = tuple(chat_block(system, c, i, spec) for i in range(prompt // spec.block_size))
+            nxt = Request(rid + k, t if k == 0 else 0.0, prompt, output, kind=f"chat{system}", prefix=prefix,
+                          then=nxt, think_s=think)  # fmt: skip
+        rid += len(turns)
+        if nxt is not None:
+            out.append(nxt)
     return out

@@ -30,6 +30,7 @@ BENCHMARKS = {
         "retrieval",
         "keyscores",
         "fleet",
+        "chat",
     )  # fmt: skip
 }
 

@@ -10,7 +10,9 @@ on this machine, a few minutes). It reports:
 - the SLA throughput per setup: the highest load it serves within the SLA, over ``--capacity-seeds`` workloads,
   on ``--sweep-replicas`` and on ``--scale`` replicas;
 - replicas needed to meet the SLA at a fixed load sized for ``--scale`` replicas;
-- a diurnal day: replica-hours and SLA attainment, static fleets sized for the peak against the autoscaler.
+- a diurnal day: replica-hours and SLA attainment, static fleets sized for the peak against the autoscaler;
+- conversations over shared system prompts on replicas with prefix caches: each placement's prefix hit rate and
+  TTFT at ``--chat-replicas`` (16-256), against an oracle that knows every cache.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from vtoken.bench.report import Table
 
 MEASURED = Path(__file__).resolve().parents[2] / "docs" / "results" / "fleet_measured_goodput.json"
 QUICK = {
+    "chat_replicas": "16",
+    "chat_horizon": 10.0,
     "sweep_replicas": 4,
     "scale": 16,
     "horizon": 8.0,
@@ -66,6 +70,10 @@ def add_args(p) -> None:
         "--capacity-seeds", type=int, default=5, help="workloads (seeds from --seed) for each setup's SLA throughput"
     )
     p.add_argument("--scale-seeds", type=int, default=2, help="workloads for the SLA throughput on --scale replicas")
+    p.add_argument("--chat-replicas", default="16,64,256", help="fleet sizes of the conversations' prefix-cache study")
+    p.add_argument("--chat-rates", default="1,2", help="conversations started per second per replica")
+    p.add_argument("--chat-horizon", type=float, default=60.0, help="seconds of conversation starts")
+    p.add_argument("--chat-strategies", default="round_robin,weighted,prefix,prefix_oracle")
 
 
 def run(args) -> dict:
@@ -170,8 +178,26 @@ def run(args) -> dict:
             **study.day(cal, spec, s, peak, a["day_s"], start, autoscaling=auto),
             **({"autoscaling": "defaults" if auto is defaults else "old defaults"} if auto else {}),
         }
+    out["chat"] = _chat(cal, a)
     out["targets"] = _targets(out, setups)
     return out
+
+
+def _chat(cal, a: dict) -> dict[str, Any]:
+    """Conversations over shared system prompts on replicas that keep prefix caches: each strategy's hit rate and
+    TTFT per fleet size and load, against the oracle that reads every cache (cluster/sim/oracle.py)."""
+    from dataclasses import asdict
+
+    from cluster.sim import study
+
+    spec = study.ChatFleetSpec(horizon_s=a["chat_horizon"], seed=a["seed"])
+    sizes = [int(x) for x in str(a["chat_replicas"]).split(",")]
+    rates = [float(x) for x in str(a["chat_rates"]).split(",")]
+    strategies = a["chat_strategies"].split(",")
+    log(f"[chat] {len(strategies)} strategies on {a['chat_replicas']} replicas at {a['chat_rates']} conv/s each")
+    rows = [{**r, "per_replica": rate} for n in sizes for rate in rates
+            for r in study.chat_study(cal, spec, strategies, [n], rate)["results"][n]]  # fmt: skip
+    return {"spec": asdict(spec), "replicas": sizes, "per_replica": rates, "rows": rows}
 
 
 def _capacity_step(replicas: int) -> float:
@@ -263,7 +289,30 @@ def _targets(out: dict, setups) -> dict[str, Any]:
         "sla_throughput_vs_round_robin_at_scale": big,
         "replica_hours_target_met": fewer is not None and fewer >= 0.30,
         "goodput_target_met": fb is not None and fb >= 1.3,
+        # Conversations: prefix's hit rate and TTFT against weighted's (the default), per fleet size and load.
+        "chat_prefix_vs_weighted": _chat_against(out.get("chat", {}).get("rows", []), "prefix", "weighted"),
     }
+
+
+def _chat_against(rows: list[dict], a: str, b: str) -> list[dict[str, Any]]:
+    by = {(r["replicas"], r["per_replica"], r["strategy"]): r for r in rows}
+    out = []
+    for (n, rate, s), r in by.items():
+        other = by.get((n, rate, b))
+        if s != a or other is None:
+            continue
+        out.append({
+            "replicas": n,
+            "per_replica": rate,
+            "hit_rate_points": round(100 * (r["hit_rate"] - other["hit_rate"]), 1),
+            "ttft_p50_ratio": _ratio(r["ttft_p50_s"], other["ttft_p50_s"]),
+            "ttft_p99_ratio": _ratio(r["ttft_p99_s"], other["ttft_p99_s"]),
+        })  # fmt: skip
+    return out
+
+
+def _ratio(x, y):
+    return round(x / y, 3) if x is not None and y else None
 
 
 def tables(result: dict) -> list[Table]:
@@ -376,7 +425,48 @@ def tables(result: dict) -> list[Table]:
             f"Targets: {result['targets']}",
         )
     )
+    ch = result.get("chat")
+    if ch:
+        c = ch["spec"]["chat"]
+        t.append(
+            Table(
+                f"Conversations over {c['systems']} shared system prompts ({c['system_tokens']} tokens), "
+                f"{c['turns'][0]}-{c['turns'][1]} turns, {c['think_s']:g} s think time; replicas of "
+                f"{ch['spec']['pools'][0]} blocks with prefix caches",
+                [
+                    "replicas",
+                    "conv/s per replica",
+                    "placement",
+                    "prefix hit rate",
+                    "later turns",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                    "tokens/s",
+                    "busiest / mean",
+                ],  # fmt: skip
+                [
+                    [
+                        r["replicas"],
+                        f"{r['per_replica']:g}",
+                        r["strategy"],
+                        f"{r['hit_rate']:.1%}",
+                        f"{r['hit_rate_later_turns']:.1%}",
+                        _ms(r["ttft_p50_s"]),
+                        _ms(r["ttft_p99_s"]),
+                        round(r["tokens_per_s"]),
+                        round(r["imbalance"], 2),
+                    ]  # fmt: skip
+                    for r in ch["rows"]
+                ],
+                "Hit rate: prompt tokens read from the prefix cache over all prompt tokens. prefix_oracle reads every "
+                "replica's cache as it is (no controller can), under prefix's balance guard.",
+            )
+        )
     return t
+
+
+def _ms(s) -> str:
+    return "-" if s is None else f"{1000 * s:.1f}"
 
 
 def plot(result: dict, fig) -> None:

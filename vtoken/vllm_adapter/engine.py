@@ -167,6 +167,11 @@ def scheduler_limits(llm) -> dict[str, int]:
     return {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs}
 
 
+def prefix_caching(llm) -> bool:
+    """Whether an ``LLM``'s prefix cache is on (vllm/config/cache.py CacheConfig.enable_prefix_caching)."""
+    return bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
+
 def inproc_scheduler(llm):
     """The scheduler of an in-process ``LLM`` (VLLM_ENABLE_V1_MULTIPROCESSING=0: vllm/v1/engine/core_client.py
     InprocClient holds the EngineCore, whose ``scheduler`` is our VTokenScheduler). For measurements that wrap
