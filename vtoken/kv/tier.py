@@ -102,7 +102,8 @@ class KVTier:
             return
         dst = torch.as_tensor(batch.dst, dtype=torch.long)
         src = torch.as_tensor(batch.src, dtype=torch.long, device=self.device)
-        got = [kv.view(-1)[self._positions(kv, batch.src)] for kv in kv_caches] + [t[src] for t in extra]
+        at = self._positions(kv_caches[0], batch.src)  # every layer's cache has the same shape and layout
+        got = [kv.view(-1)[at] for kv in kv_caches] + [t[src] for t in extra]
         self._widen(batch.dst, got[: len(kv_caches)])  # on the pool's device, from the keys as they leave it
         self._store([*self.kv, *self.extra][: len(got)], dst, got)
         self.bytes_moved += sum(t[:1].numel() * t.element_size() for t in self.kv) * len(batch)
@@ -156,18 +157,22 @@ class KVTier:
         was freed: over the slots still held; an empty page's box is empty, +inf..-inf, and bounds nothing)."""
         self._land()
         stale = pages[self._stale[pages]]
-        for page in stale.tolist():  # rare: a page some of whose tokens left since it was last read
-            slots = np.arange(page * self.PAGE, min((page + 1) * self.PAGE, self.capacity))
-            slots = torch.as_tensor(slots[self.held[slots]])
+        if stale.size:  # pages some of whose tokens left since they were last read: rebuilt from what is held
+            slots = (stale[:, None] * self.PAGE + np.arange(self.PAGE)[None, :]).ravel()
+            slots = slots[slots < self.capacity]
+            slots = slots[self.held[slots]]
+            rows = torch.as_tensor(stale, device=self.device)
+            page = torch.as_tensor(slots // self.PAGE, device=self.device)
+            host = torch.as_tensor(slots)
             for kv, lo, hi in zip(self.kv, self.box_lo, self.box_hi):
-                if slots.numel():
-                    k = kv[slots][..., : self.head_size].float().to(self.device)
-                    lo[page], hi[page] = k.amin(0), k.amax(0)
-                else:
-                    lo[page], hi[page] = float("inf"), float("-inf")
-            self.bytes_recalled += int(slots.numel()) * len(self.kv) * self.kv[0][0, :, : self.head_size].numel() * (
+                lo[rows], hi[rows] = float("inf"), float("-inf")
+                if slots.size:
+                    k = kv[host][..., : self.head_size].float().to(self.device)
+                    lo.index_reduce_(0, page, k, "amin")
+                    hi.index_reduce_(0, page, k, "amax")
+            self.bytes_recalled += int(slots.size) * len(self.kv) * self.kv[0][0, :, : self.head_size].numel() * (
                 self.kv[0].element_size())  # fmt: skip
-            self._stale[page] = False
+            self._stale[stale] = False
         idx = torch.as_tensor(pages, device=self.device)
         return [lo[idx] for lo in self.box_lo], [hi[idx] for hi in self.box_hi]
 
@@ -202,8 +207,9 @@ class KVTier:
             torch.cuda.current_stream(self.device).wait_event(self._fetched)
             for got in fetched:
                 got.record_stream(torch.cuda.current_stream(self.device))
+        at = self._positions(kv_caches[0], batch.dst)
         for kv, got in zip(kv_caches, fetched):
-            kv.view(-1)[self._positions(kv, batch.dst)] = got
+            kv.view(-1)[at] = got
         dst = torch.as_tensor(batch.dst, dtype=torch.long, device=self.device)
         for pool_t, got in zip(extra, fetched[len(self.kv) :]):
             pool_t[dst] = got
