@@ -1,0 +1,82 @@
+"""vLLM's serving layer in the gateway, without weights: the arguments ``vllm serve`` would take for this deployment,
+and a CPU ``VllmConfig`` built as vLLM's GPU-less render server builds it
+(vllm/entrypoints/launchers/render/entry.py: ``AsyncEngineArgs(...).create_model_config()``, the model's config,
+tokenizer, chat template and generation defaults; no engine, no KV cache; about 2 s and 0.7 GB here).
+
+The same engine arguments build every replica's engine (cluster/lifecycle.py ``engine_args``), so what the gateway
+validates and renders is what the replicas run: the context length, ``max_logprobs``, the structured-output backend
+and the reasoning parser (the EngineCore's grammar waits for the end of reasoning by it) come from one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from typing import Any, NamedTuple
+
+from cluster.config import ServeConfig
+
+log = logging.getLogger("vtoken.frontend")
+
+
+class Frontend(NamedTuple):
+    """What vLLM's serving classes are built from: ``args`` as vLLM's OpenAI server parses its flags, and the
+    ``vllm_config`` its engine client carries."""
+
+    args: Namespace
+    vllm_config: Any
+
+
+def engine_args(cfg: ServeConfig) -> dict[str, Any]:
+    """The vLLM engine arguments of this deployment, as every replica's engine takes them (vToken's own are added
+    there by ``engine_kwargs``); the model is resolved where the engine runs."""
+    e = cfg.engine
+    args: dict[str, Any] = {
+        "dtype": e.dtype,
+        "block_size": e.block_size,
+        "max_model_len": e.max_model_len,
+        "enforce_eager": e.enforce_eager,
+        "seed": 0,
+        **e.extra,
+    }
+    if e.reasoning_parser:
+        args["reasoning_parser"] = e.reasoning_parser
+    if e.kv_cache_memory_bytes:
+        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
+    return args
+
+
+def frontend(cfg: ServeConfig) -> Frontend:
+    """Parse vLLM's OpenAI-server flags for this deployment and build its CPU config (call it in a thread: vLLM's
+    imports and the tokenizer take a few seconds)."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    folder = cfg.model_folder()
+    e = cfg.engine
+    argv = ["--model", folder, "--served-model-name", cfg.model_name, "--disable-log-stats"]
+    if e.tool_call_parser:
+        argv += ["--tool-call-parser", e.tool_call_parser]
+    if e.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    for key, value in engine_args(cfg).items():
+        if key == "kv_cache_memory_bytes":
+            continue  # the replicas' pools; the gateway holds none
+        if not hasattr(args, key):
+            raise ValueError(f"engine.extra.{key}: not an argument of vLLM's engine")
+        setattr(args, key, value)
+    args.renderer_num_workers = cfg.gateway.parse_workers
+    engine = AsyncEngineArgs.from_cli_args(args)
+    model_config = engine.create_model_config()
+    model_config.quantization = None  # a render-only config: no quantized kernels (as vLLM's render server)
+    structured = engine.create_structured_outputs_config()
+    args.structured_outputs_config = structured
+    config = VllmConfig(
+        model_config=model_config,
+        logging_config=engine.create_logging_config(),
+        structured_outputs_config=structured,
+    )
+    return Frontend(args, config)
