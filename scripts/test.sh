@@ -7,4 +7,5 @@ bash scripts/setup.sh
 # Style is checked like the tests: lint, then formatting (config in pyproject.toml).
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q -ra "$@"
+# The slowest tests are printed: the whole CI run must stay under 30 minutes.
+exec .venv/bin/python -m pytest -q -ra --durations=40 "$@"
