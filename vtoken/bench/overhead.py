@@ -362,7 +362,7 @@ def tables(result: dict) -> list[Table]:
             _fmt(r, f"ratio_to_{base}", fmt=".3f"),
             f"{100 * r['compaction_share']:.2f}%",
             f"{100 * r['move_share']:.2f}%",
-            f"{100 * r.get('score_share', 0.0):.2f}%",
+            f"{100 * r['score_share']:.2f}%" if "score_share" in r else "-",  # runs before it was measured
             r["tokens_moved"],
         ]
         for r in result["rows"]
