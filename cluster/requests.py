@@ -46,7 +46,7 @@ UNSERVED = {
     "chat_template": "custom chat templates are not accepted; the model's own template renders messages",
     "documents": "documents for the chat template are not supported",
 }
-GUIDE = "README: Use it from the OpenAI client"
+GUIDE = "docs/clients.md: OpenAI API"
 
 
 class BadRequest(ValueError):
