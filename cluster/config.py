@@ -40,7 +40,11 @@ class EngineConfig(_Strict):
     kv_cache_memory_bytes: int | None = Field(
         64 << 20, gt=0, description="KV pool size per replica; null lets vLLM size it from gpu_memory_utilization"
     )
-    enforce_eager: bool = Field(True, description="no CUDA graphs (vToken's score hooks run eagerly)")
+    enforce_eager: bool = Field(
+        True,
+        description="no CUDA graphs (as the CPU recipes run). On CUDA false keeps vLLM's CUDA graphs: vToken's moves "
+        "run outside every graph, piecewise graphs when a policy scores every step (configs/serve-gpu.yaml)",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="any other vLLM engine argument (the replicas' engines and the gateway's config take them alike: "

@@ -75,13 +75,17 @@ async def serving(
         healthy = await _start_replicas(ctl, start_timeout_s, progress)
         if healthy < cfg.replicas:
             raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started in {start_timeout_s:g} s")
+        # One import of transformers at a time: its lazy modules (and accelerate's) are not safe to import from
+        # two threads at once, and the HTTP door's import reaches them through vLLM ("cannot import name
+        # 'AutoTokenizer' ... partially initialized module", seen when the replicas started faster than it).
+        http_module = await http_module if http_module is not None else None
         tokenizer = await asyncio.to_thread(Tokenizer, cfg.model_folder())
         dispatcher = Dispatcher(cfg, ctl, Metrics(cfg.model_name))
         parser = parse_pool(cfg)  # one set of parse workers for both doors
         gateway = Gateway(cfg, ctl, tokenizer, dispatcher, parser)
         served = Served(await gateway.start(), ctl, gateway)
         if http_module is not None:
-            http = (await http_module).HttpGateway(cfg, ctl, tokenizer, dispatcher, parser)
+            http = http_module.HttpGateway(cfg, ctl, tokenizer, dispatcher, parser)
             served.http, served.http_port = http, await http.start()
         log.info(
             "vtoken serving %s on %s:%d (gRPC), HTTP %s, with %d replicas",

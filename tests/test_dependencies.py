@@ -98,3 +98,18 @@ def test_the_check_finds_a_planted_undeclared_import(monkeypatch):
         assert "pyzmq" in str(e)
     else:
         raise AssertionError("an import of zmq with pyzmq undeclared was not found")
+
+
+def test_the_generated_grpc_modules_match_the_pinned_generator_and_the_grpcio_floor():
+    """cluster/proto/vtoken_pb2_grpc.py names the grpcio-tools that wrote it and refuses an older grpcio at import. So
+    the dev extra pins that grpcio-tools exactly (an unpinned one on a fresh machine writes another version line, and
+    the freshness check fails: CI, 2026-12-05), and the runtime grpcio floor is no lower than it."""
+    text = (ROOT / "cluster/proto/vtoken_pb2_grpc.py").read_text()
+    generated = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", text).group(1)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    tools = [r for r in project["optional-dependencies"]["dev"] if _name(r) == "grpcio-tools"]
+    assert tools == [f"grpcio-tools=={generated}"], tools
+    floor = [r for r in project["dependencies"] if _name(r) == "grpcio"]
+    assert len(floor) == 1 and ">=" in floor[0], floor
+    version = tuple(int(p) for p in floor[0].split(">=")[1].split(",")[0].strip().split("."))
+    assert version >= tuple(int(p) for p in generated.split(".")), (floor, generated)

@@ -204,7 +204,7 @@ def test_shared_blocks_after_a_private_one_are_kept_whole_not_a_crash():
 
 def test_the_boundary_after_the_last_chunk_evicts_whatever_the_interval():
     """With interval=3 the last prefill chunk's tokens are not kept until decode step 3: the boundary after the
-    last chunk is a chunk boundary (policy step 0), as the bound in the README needs."""
+    last chunk is a chunk boundary (policy step 0), as the bound (docs/concepts.md) needs."""
     sim = KVSim(num_blocks=64, block_size=4)
     sim.add("r", prompt=40, policy=make_policy("random", budget=0.25, sink=0, recent=0, interval=3))
     for _ in range(4):

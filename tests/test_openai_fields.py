@@ -3,10 +3,11 @@
 For every field of ``ChatCompletionRequest`` and ``CompletionRequest`` a value that asks for something (not a
 neutral one) goes through the request model both doors share (cluster/requests.py). It is either served (or,
 like vLLM's informational fields, ignored) or refused by name, and then the feature it belongs to is one the
-README names under "Refused by name". A field vLLM adds later fails the audit until it is put in one column
-or the other. Then the request bodies GuideLLM 0.8.1 and AIPerf 0.13.0 really send (captured from the tools,
-tests/data/openai_clients/) go to a served door as they are; GuideLLM's ``stream_options.continuous_usage_stats``
-(refused before: 12 of 12 of its requests got a 400) is served as vLLM serves it, the usage in every chunk."""
+clients page (docs/clients.md) names under "Refused by name". A field vLLM adds later fails the audit until it is
+put in one column or the other. Then the request bodies GuideLLM 0.8.1 and AIPerf 0.13.0 really send (captured
+from the tools, tests/data/openai_clients/) go to a served door as they are; GuideLLM's
+``stream_options.continuous_usage_stats`` (refused before: 12 of 12 of its requests got a 400) is served as vLLM
+serves it, the usage in every chunk."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ SAMPLES = {
     "return_prompt_text": True, "return_mm_kwargs": False, "routed_experts_prompt_start": 2,
     "kv_transfer_params": {"x": 1}, "ec_transfer_params": {"x": 1}, "stream_interval": 2, "mm_payload": "none",
 }  # fmt: skip
-# Refused by name, each a feature the README names (the words that must appear in its "Refused by name" item).
+# Refused by name, each a feature docs/clients.md names (the words that must appear in its "Refused by name" item).
 REFUSED = {
     "n": ({"n": 2}, "`n > 1`"),
     "use_beam_search": ({"use_beam_search": True}, "beam search"),
@@ -103,8 +104,8 @@ def test_every_field_vllm_accepts_is_served_or_refused_by_a_feature_the_readme_n
         except BadRequest as e:
             pytest.fail(f"{kind}.{name}={SAMPLES[name]!r}: vLLM accepts it, the door refused it: {e}")
         accepted.append(name)
-    readme = (ROOT / "README.md").read_text()
-    item = next(item for item in readme.split("\n- ") if item.startswith("**Refused by name**"))
+    page = (ROOT / "docs" / "clients.md").read_text()
+    item = next(item for item in page.split("\n- ") if item.startswith("**Refused by name**"))
     refused_item = " ".join(item.split())
     for name in sorted(fields & REFUSED.keys()):
         body, feature = REFUSED[name]
@@ -113,7 +114,7 @@ def test_every_field_vllm_accepts_is_served_or_refused_by_a_feature_the_readme_n
         with pytest.raises(BadRequest) as e:
             parse(kind, body)
         assert e.value.param and e.value.param.split(".")[0] == name, (name, str(e.value))
-        assert feature in refused_item, f"{name} is refused, but the README does not name {feature}"
+        assert feature in refused_item, f"{name} is refused, but docs/clients.md does not name {feature}"
     assert len(accepted) > 40
 
 

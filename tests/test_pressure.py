@@ -115,3 +115,16 @@ def test_a_request_s_own_floor_is_the_engine_s_floor_for_it():
     assert others > 0 and asked < others, (asked, others)
     assert half.metrics["vllm:num_preemptions"] == 0
     check_exact(half)
+
+
+def test_a_floor_asked_in_always_mode_admits_as_without_it_and_the_engine_lives():
+    """A request that asks a ``pressure_floor`` but evicts ``always`` (the floor only binds in pressure mode), on an
+    engine with a parking tier: the scheduler's admission limit is the tier's alone. Found by the doors' engine fuzz
+    (tests/test_fuzz_doors.py): the floor's limit came back None beside the tier's number, and ``min(None, n)`` in
+    vtoken/vllm_adapter/scheduler.py ``_admission_limit`` killed the EngineCore. Same tokens as without the option."""
+    ask = json.dumps({"pressure_floor": 0.9})
+    cfg = {**CFG, "evict": "always", "park_tokens": 4096}
+    asked = engine(cfg, options=(ask,) * SHORT["n"], **SHORT)
+    plain = engine(cfg, **SHORT)
+    assert asked.tokens == plain.tokens
+    assert [t["evicted_positions"] for t in asked.trace] == [t["evicted_positions"] for t in plain.trace]

@@ -115,7 +115,7 @@ def test_incompatible_features_are_refused(key, value):
 
 
 def test_the_default_is_snapkv_in_pressure_mode_with_the_tier():
-    # README "Why pressure mode with parking is the default"; tests of eviction at a budget ask for evict "always"
+    # docs/design.md "Why these defaults"; tests of eviction at a budget ask for evict "always"
     # (tests/vllm_harness.py), and test_pressure.py shows the default is stock vLLM while the pool holds everything.
     cfg = VTokenConfig()
     assert (cfg.mode, cfg.policy, cfg.evict, cfg.park_tokens) == ("vtoken", "snapkv", "pressure", "auto")

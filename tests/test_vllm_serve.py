@@ -1,6 +1,6 @@
 """vToken inside stock vLLM's own OpenAI server (what `vllm serve` runs), for users who keep their own vLLM
 deployment and want only the memory: the server started with the flags `vtoken vllm-args` prints evicts (the
-trace says so), holds fewer blocks than the prompt needs (the bound of the README holds at every forward), and
+trace says so), holds fewer blocks than the prompt needs (the bound of docs/concepts.md holds at every forward), and
 answers with the same tokens as the masked reference would - the server is vLLM's, only the engine is ours."""
 
 from __future__ import annotations

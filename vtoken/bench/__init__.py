@@ -1,5 +1,5 @@
 """`vtoken bench <name>`: benchmarks as scripts. Each writes ``<out>/<name>.json`` (settings, machine, versions,
-every raw figure), ``<name>.md`` (the tables quoted in the README) and ``<name>.png``.
+every raw figure), ``<name>.md`` (its tables; docs/results/ renders them again from the JSON) and ``<name>.png``.
 
 A benchmark module has ``add_args(parser)``, ``run(args) -> dict``, ``tables(result) -> list[Table]`` and
 optionally ``plot(result, fig)``. ``--quick`` runs it on the tiny model in seconds-to-minutes (CI smoke test).

@@ -43,7 +43,7 @@ def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--suite", default="niah", choices=("niah", "multi"), help="niah: the tuning suite; multi: held out")
     p.add_argument("--scorers", default=",".join(SCORERS))
-    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--lengths", default="1024,2048")
     p.add_argument("--depths", type=int, default=10)
     p.add_argument("--prefill-chunk", type=int, default=256)

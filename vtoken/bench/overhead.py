@@ -46,7 +46,7 @@ def add_args(p) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=5, help="every mode runs once per round")
     p.add_argument("--modes", default=",".join(CORE_MODES), help=f"comma-separated, of {','.join(ALL_MODES)}")
 
@@ -245,7 +245,7 @@ def window_micro(
     dtype: str = "float32",
     shapes: str = "smollm2-135m",
     block: int = 32,
-    budget: float = 0.25,
+    budget: float = 0.5,
 ) -> dict:
     """The default's decode scoring against the per-step scorer, per decode step, on a model's shapes: the window of
     recent queries (vtoken/kv/query_window.py) written every step and scored once per decision, a decision about every
@@ -330,7 +330,9 @@ def run(args) -> dict:
         rounds.append({label: _run_mode(label, *table[label], model_dir, prompts, m, kw) for label in order})
     summary = summarise(rounds, modes)
     micro = scorer_micro(lengths=(128, 256, 512) if args.quick else (256, 1024, 4096), repeats=5 if args.quick else 9)
-    window = window_micro(lengths=(128, 256) if args.quick else (256, 1024, 4096), repeats=3 if args.quick else 5)
+    window = window_micro(
+        lengths=(128, 256) if args.quick else (256, 1024, 4096), repeats=3 if args.quick else 5, budget=args.budget
+    )
     args_core = type("A", (), {"quick": args.quick, "tokens": 16384, "moves": 4096, "repeats": 10, "device": "cpu"})
     return {
         "model": model,
@@ -362,7 +364,7 @@ def tables(result: dict) -> list[Table]:
             _fmt(r, f"ratio_to_{base}", fmt=".3f"),
             f"{100 * r['compaction_share']:.2f}%",
             f"{100 * r['move_share']:.2f}%",
-            f"{100 * r.get('score_share', 0.0):.2f}%",
+            f"{100 * r['score_share']:.2f}%" if "score_share" in r else "-",  # runs before it was measured
             r["tokens_moved"],
         ]
         for r in result["rows"]

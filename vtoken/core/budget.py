@@ -6,7 +6,7 @@ fleet simulator share. Plain Python (no NumPy, no torch), so the gateway imports
     live(n)    = min(n, keep(n))                           what a request evicting to its budget holds
 
 A forward that writes ``new`` tokens on top of ``n`` already read holds at most ``ceil((keep(n) + new) / B) + 1``
-blocks (vtoken_stats' ``peak_over_bound`` <= 0; the README's "bound"): the kept tokens packed, the new ones, and
+blocks (vtoken_stats' ``peak_over_bound`` <= 0; docs/concepts.md's "bound"): the kept tokens packed, the new ones, and
 the block being filled.
 """
 

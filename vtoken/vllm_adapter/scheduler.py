@@ -233,7 +233,7 @@ class VTokenScheduler(Scheduler):
             keep = kept_tokens(n, policy.budget, policy.sink, policy.recent) if policy is not None else n
             waiting.append((n, keep, opts.pressure_floor if opts.evict == "pressure" else 0.0))
         floor = core.admissible(waiting, self.vt_watermark, self.vt_chunk)
-        return floor if tier is None else min(floor, tier)
+        return min((n for n in (floor, tier) if n is not None), default=None)  # None: that rule does not limit
 
     def _progress(self) -> list[Progress]:
         core, chunk = self.vt_core, self.vt_chunk

@@ -91,7 +91,7 @@ class EvictionPolicy(ABC):
     seed: int = param(0, ge=0, le=2**64 - 1)  # NumPy's generators take seeds of 0 to 2**64 - 1
     # Per-step attention policies only, opt-in: observe one decode step in ``score_every`` (the engine then
     # exports statistics, and the policy evicts, only after an observed step). 1 = every step, exact H2O /
-    # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in the README's Output quality section.
+    # Scissorhands; k > 1 cuts the scorer's cost k-fold at the quality cost in docs/results/quality_score_every.md.
     score_every: int = param(1, ge=1)
     needs: ClassVar[tuple[str, ...]] = ()  # statistics the engine must collect for this policy
     # The decode statistics come from the window of the request's recent queries, scored once just before a

@@ -11,7 +11,7 @@ class SnapKV(EvictionPolicy):
     """Score = the most attention (as h2o counts it) received by any token from ``before`` tokens before it to
     ``after`` tokens after it, in logical order: a fact's tokens are kept together (SnapKV's clustering). SnapKV
     pools symmetrically; a question attends to a fact's key and its value follows the key, so the window looks
-    further back (README: Keeping the needle)."""
+    further back (docs/design.md: Why these defaults)."""
 
     before: int = param(12, ge=0, le=4096)
     after: int = param(2, ge=0, le=4096)
