@@ -80,3 +80,31 @@ def frontend(cfg: ServeConfig) -> Frontend:
         structured_outputs_config=structured,
     )
     return Frontend(args, config)
+
+
+class Served(NamedTuple):
+    """vLLM's OpenAI app over the replicas, shared by both doors: ``app`` (routes and serving classes, its
+    ``state`` holding them) and the engine client they call."""
+
+    app: Any
+    engine: Any  # cluster.remote_engine.RemoteEngineClient
+
+
+SUPPORTED_TASKS = ("generate",)
+
+
+async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
+    """vLLM's OpenAI app (``build_app`` and ``init_app_state``, as ``vllm serve`` builds them) over a
+    ``RemoteEngineClient`` that places every request through ``dispatcher``."""
+    import asyncio
+
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    from cluster.remote_engine import RemoteEngineClient
+
+    fe = await asyncio.to_thread(frontend, cfg)
+    engine = await asyncio.to_thread(RemoteEngineClient, cfg, fe.vllm_config, dispatcher)
+    app = build_app(fe.args, SUPPORTED_TASKS, fe.vllm_config.model_config)
+    await init_app_state(engine, app.state, fe.args, SUPPORTED_TASKS)
+    return Served(app, engine)

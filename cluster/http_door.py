@@ -36,6 +36,8 @@ DOOR = "http"
 # Paths that generate (admitted, counted): the OpenAI routes, Anthropic's messages.
 GENERATE = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions", "/v1/responses",
                       "/v1/messages"})  # fmt: skip
+# Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/http_gateway.py.
+OWN = frozenset({"/health", "/metrics"})
 # Events a streamed answer sends before its engine's first output (Responses' created and in_progress): held with
 # the status, so a refusal before the first output still gets its own.
 PREAMBLE = (b'"type":"response.created"', b'"type":"response.in_progress"')
@@ -63,8 +65,8 @@ class BodyTooLarge(ValueError):
 class Door:
     """The middleware around vLLM's app. ``gw`` is the HttpGateway: its config, token, dispatcher and metrics."""
 
-    def __init__(self, app: Any, gw: Any, token: str | None, open_paths: tuple[str, ...]):
-        self.app, self.gw, self.token, self.open = app, gw, token, open_paths
+    def __init__(self, app: Any, gw: Any, token: str | None, open_paths: tuple[str, ...], own: Any = None):
+        self.app, self.gw, self.token, self.open, self.own = app, gw, token, open_paths, own
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -77,6 +79,8 @@ class Door:
                     self.gw.metrics.refused(DOOR, "unauthenticated")
                 message = "missing or wrong bearer token (authorization: Bearer <token>)"
                 return await _reply(send, 401, error_body(401, message), ((b"www-authenticate", b"Bearer"),))
+        if self.own is not None and path in OWN:
+            return await self.own(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:

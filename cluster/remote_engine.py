@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import uuid
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
-from typing import Any, NamedTuple
+from typing import Any
 
 from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMNotFoundError, VLLMValidationError
@@ -37,24 +36,9 @@ from vllm.v1.engine.input_processor import InputProcessor
 from actors.wire import sampling_kwargs, to_output
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused
-from cluster.requests import EXTENSION, Eviction, ValidRequest, vtoken_options
+from cluster.frontend import SUPPORTED_TASKS
+from cluster.requests import CONTEXT, EXTENSION, RequestContext, ValidRequest, vtoken_options
 from vtoken.prefix_hash import prefix_hashes
-
-SUPPORTED_TASKS = ("generate",)
-
-
-class RequestContext(NamedTuple):
-    """What a door knows of a request that vLLM's serving layer does not carry to ``generate``."""
-
-    door: str = "http"
-    eviction: Eviction | None = None  # the request's own eviction options (None: the deployment's)
-    deadline_s: float | None = None
-    client_id: str = ""  # the client's own id for the request (logs, errors); engines know the gateway's
-
-
-# Set by a door for the request it serves (the HTTP door's middleware, the gRPC handler); tasks the serving layer
-# starts for the request inherit it.
-CONTEXT: contextvars.ContextVar[RequestContext] = contextvars.ContextVar("vtoken_request", default=RequestContext())
 
 STATUS = {  # Refused.code -> what vLLM's serving layer turns into the same status
     "resource_exhausted": HTTPStatus.TOO_MANY_REQUESTS,
@@ -104,6 +88,8 @@ class RemoteEngineClient(EngineClient):
         try:
             async with contextlib.aclosing(self.dispatcher.stream(valid, rid, ctx.door)) as deltas:
                 async for d in deltas:
+                    if ctx.seen is not None:
+                        ctx.seen["replica"] = d.replica
                     out = to_output(d.chunk, request_id, text, ids)
                     if kind == RequestOutputKind.DELTA:
                         yield out
@@ -114,8 +100,8 @@ class RemoteEngineClient(EngineClient):
                         merged.add(out, aggregate=True)
                     if kind == RequestOutputKind.CUMULATIVE or merged.finished:
                         yield merged
-        except Refused as e:
-            raise vllm_error(e) from None
+        except Refused as e:  # the cause stays for the gRPC door, which maps codes, not HTTP statuses
+            raise vllm_error(e) from e
         finally:
             if self._running.get(request_id) is task:
                 del self._running[request_id]

@@ -10,6 +10,7 @@ Nothing here touches Ray or the engine.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Any, NamedTuple
 
@@ -115,3 +116,21 @@ class ValidRequest(BaseModel):
         if not (self.eviction and self.eviction.extra_args):
             return dict(self.sampling)
         return {**self.sampling, "extra_args": {**(self.sampling.get("extra_args") or {}), **self.eviction.extra_args}}
+
+
+# ---------------------------------------------------------------------------------------------- context
+class RequestContext(NamedTuple):
+    """What a door knows of a request that vLLM's serving layer does not carry to ``generate``."""
+
+    door: str = "http"
+    eviction: Eviction | None = None  # the request's own eviction options (None: the deployment's)
+    deadline_s: float | None = None
+    client_id: str = ""  # the client's own id for the request (logs, errors); engines know the gateway's
+    # Filled in by ``generate`` for the door: "replica", the last replica that streamed for the request (gRPC's
+    # GenerateResponse.replica). A dict, so tasks the serving layer starts write where the door reads.
+    seen: dict | None = None
+
+
+# Set by a door for the request it serves (the HTTP door's middleware, the gRPC handler); tasks the serving layer
+# starts for the request inherit it.
+CONTEXT: contextvars.ContextVar[RequestContext] = contextvars.ContextVar("vtoken_request", default=RequestContext())  # noqa: B039 (seen: None)
