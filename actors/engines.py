@@ -210,9 +210,9 @@ class FakeEngine(Engine):
 
 
 def fake_position(token_id: int, top: int) -> Position:
-    """The fake engine's "log-probabilities" at one position: the token itself first, then ``top`` others, fixed
-    values (vLLM's order: the sampled token, then the most likely by rank)."""
-    alts = tuple((token_id + k, -0.5 - k, k, f" t{token_id + k}") for k in range(1, top + 1))
+    """The fake engine's "log-probabilities" at one position, fixed values in vLLM's shape: the token itself (the most
+    likely, rank 1) first, then the next ``top - 1`` by rank (vLLM's top ``top`` with the sampled token among them)."""
+    alts = tuple((token_id + k, -0.5 - k, k + 1, f" t{token_id + k}") for k in range(1, top))
     return ((token_id, -0.5, 1, f" t{token_id}"), *alts)
 
 

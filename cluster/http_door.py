@@ -36,6 +36,7 @@ DOOR = "http"
 # Paths that generate (admitted, counted): the OpenAI routes, Anthropic's messages.
 GENERATE = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions", "/v1/responses",
                       "/v1/messages"})  # fmt: skip
+GONE_GRACE_S = 1.0  # how long vLLM's app may take to end a request whose client went away before it is cancelled
 # Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/http_gateway.py.
 OWN = frozenset({"/health", "/metrics"})
 # Events a streamed answer sends before its engine's first output (Responses' created and in_progress): held with
@@ -165,8 +166,13 @@ class Door:
             if app.done():
                 app.result()
                 return
+            # vLLM's app hears the disconnect itself (its routes' with_cancellation, StreamingResponse) and cancels
+            # its handler, which aborts the request; cancelling the app from outside would orphan that handler
+            # (with_cancellation does not cancel it when it is cancelled itself). A backstop if it does not end.
             gone.set()
-            app.cancel()
+            done, _ = await asyncio.wait({app}, timeout=GONE_GRACE_S)
+            if not done:
+                app.cancel()
             with contextlib.suppress(BaseException):
                 await app
             where = "mid-stream" if first.streaming else "while waiting for its answer"

@@ -22,24 +22,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import Any
 
 from vllm.engine.protocol import EngineClient
-from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMNotFoundError, VLLMValidationError
+from vllm.exceptions import GenerationError, GracefulHTTPError, VLLMError, VLLMNotFoundError, VLLMValidationError
 from vllm.renderers import renderer_from_config
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.input_processor import InputProcessor
 
 from actors.wire import sampling_kwargs, to_output
 from cluster.config import ServeConfig
-from cluster.dispatch import Dispatcher, Refused
+from cluster.dispatch import Dispatcher, Refused, internal_message
 from cluster.frontend import SUPPORTED_TASKS
 from cluster.requests import CONTEXT, EXTENSION, RequestContext, ValidRequest, vtoken_options
 from vtoken.prefix_hash import prefix_hashes
 
+log = logging.getLogger("vtoken.engine_client")
 STATUS = {  # Refused.code -> what vLLM's serving layer turns into the same status
     "resource_exhausted": HTTPStatus.TOO_MANY_REQUESTS,
     "unavailable": HTTPStatus.SERVICE_UNAVAILABLE,
@@ -78,9 +80,21 @@ class RemoteEngineClient(EngineClient):
         self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
         ctx = CONTEXT.get()
+        rid = uuid.uuid4().hex  # the engine's, the controller's and the replica's id for it
+        try:
+            async for out in self._generate(prompt, sampling_params, request_id, ctx, rid, kwargs):
+                yield out
+        except Refused as e:  # the cause stays for the gRPC door, which maps codes, not HTTP statuses
+            raise vllm_error(e) from e
+        except (VLLMError, ValueError, TypeError, OverflowError, asyncio.CancelledError, GeneratorExit):
+            raise  # vLLM's own (its statuses), the request's fault (vLLM's validation raises ValueError), or the end
+        except Exception as e:  # a fault of ours: 500 with an id the log has, never its text (paths, internals)
+            log.exception("request %s (client id %r) failed", rid, ctx.client_id)
+            raise GenerationError(internal_message(ctx.client_id, rid)) from e
+
+    async def _generate(self, prompt, sampling_params, request_id: str, ctx: RequestContext, rid: str, kwargs: dict):
         valid = self._valid(prompt, sampling_params, request_id, ctx, kwargs)
-        kind = sampling_params.output_kind
-        rid, merged = uuid.uuid4().hex, None
+        kind, merged = sampling_params.output_kind, None
         task = asyncio.current_task()
         if task is not None:
             self._running[request_id] = task
@@ -100,8 +114,6 @@ class RemoteEngineClient(EngineClient):
                         merged.add(out, aggregate=True)
                     if kind == RequestOutputKind.CUMULATIVE or merged.finished:
                         yield merged
-        except Refused as e:  # the cause stays for the gRPC door, which maps codes, not HTTP statuses
-            raise vllm_error(e) from e
         finally:
             if self._running.get(request_id) is task:
                 del self._running[request_id]
