@@ -426,17 +426,17 @@ def _numbers(v: Any, path: str):
 
 def preflight(cfg: ServeConfig, local: bool = True) -> None:
     """What can only be checked where and when the deployment starts, before anything is started: the auth
-    token's variable is set; on a local deployment, a named model is prepared. Raises ConfigError (one line)."""
+    token's variable is set; the model the gateway renders with (cfg.model_folder()) is prepared here. Raises
+    ConfigError (one line)."""
     env = cfg.gateway.auth_token_env
     if env and not os.environ.get(env):
         raise ConfigError(
             f"gateway.auth_token_env: the environment variable {env} is not set; export {env}=<token> "
             "or set gateway.auth_token_env: null"
         )
-    if local and cfg.engine.kind == "vllm" and not Path(cfg.model).is_dir():
-        from vtoken.models import ModelPrepareError, model_path
+    from vtoken.models import ModelPrepareError
 
-        try:
-            model_path(cfg.model)
-        except ModelPrepareError as e:
-            raise ConfigError(f"model: {e}") from None
+    try:  # the gateway renders with the model's tokenizer and template, whatever the engine and wherever replicas run
+        cfg.model_folder()
+    except ModelPrepareError as e:
+        raise ConfigError(f"model: {e}") from None

@@ -90,9 +90,6 @@ class Served(NamedTuple):
     engine: Any  # cluster.remote_engine.RemoteEngineClient
 
 
-SUPPORTED_TASKS = ("generate",)
-
-
 async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
     """vLLM's OpenAI app (``build_app`` and ``init_app_state``, as ``vllm serve`` builds them) over a
     ``RemoteEngineClient`` that places every request through ``dispatcher``."""
@@ -101,7 +98,7 @@ async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from cluster.remote_engine import RemoteEngineClient
+    from cluster.remote_engine import SUPPORTED_TASKS, RemoteEngineClient
 
     fe = await asyncio.to_thread(frontend, cfg)
     engine = await asyncio.to_thread(RemoteEngineClient, cfg, fe.vllm_config, dispatcher)

@@ -37,11 +37,11 @@ from vllm.v1.engine.input_processor import InputProcessor
 from actors.wire import sampling_kwargs, to_output
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, internal_message
-from cluster.frontend import SUPPORTED_TASKS
 from cluster.requests import CONTEXT, EXTENSION, RequestContext, ValidRequest, vtoken_options
 from vtoken.prefix_hash import prefix_hashes
 
 log = logging.getLogger("vtoken.engine_client")
+SUPPORTED_TASKS = ("generate",)  # what the replicas serve: vLLM's routes for the rest are not registered
 STATUS = {  # Refused.code -> what vLLM's serving layer turns into the same status
     "resource_exhausted": HTTPStatus.TOO_MANY_REQUESTS,
     "unavailable": HTTPStatus.SERVICE_UNAVAILABLE,
