@@ -195,8 +195,13 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}, 400, "body.max_tokens", "integer"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "body.messages", "valid list"),
         ("/v1/chat/completions", {"messages": []}, 400, None, "empty conversation"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
-         "body.messages.0.ChatCompletionDeveloperMessageParam.content", "valid string"),  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            400,
+            "body.messages.0.ChatCompletionDeveloperMessageParam.content",
+            "valid string",
+        ),  # fmt: skip
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": -3}, 400, "max_tokens", "at least 1"),
         ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_tokens", "at least 1"),
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "max_model_len"),
@@ -520,3 +525,57 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
             await gw.stop()
 
     asyncio.run(go())
+
+
+def test_what_vllm_serve_answers_the_door_answers(served):
+    """vLLM's serving layer at the door: n > 1 (fanned out in the replica's engine, placed once), structured outputs
+    (the grammar goes to the engine), a batch of prompts with echo and prompt log-probabilities, the Responses API."""
+    c = served.client
+    fmt = {"type": "json_object"}
+    r = c.chat.completions.create(model="fake", messages=MSG, max_tokens=3, n=2, response_format=fmt)
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    assert all(ch.message.content == " t0 t1 t2" for ch in r.choices)
+    sent = [x for x in engine_requests(served) if x.get("n") == 2]
+    assert sent and sent[-1]["structured_outputs"].json_object  # one placement, the grammar for the engine
+    r = c.completions.create(model="fake", prompt=["a", "b c"], max_tokens=2, echo=True, logprobs=1)
+    assert [ch.text for ch in r.choices] == ["a t0 t1", "b c t0 t1"]
+    assert r.choices[0].logprobs.token_logprobs[0] is None  # the prompt's first token has none, as vLLM answers
+    streamed = list(c.completions.create(model="fake", prompt=["a", "b"], max_tokens=2, stream=True))
+    assert sorted({ch.choices[0].index for ch in streamed if ch.choices}) == [0, 1]
+    r = c.responses.create(model="fake", input="hi", max_output_tokens=3)
+    assert r.output_text == " t0 t1 t2" and r.usage.output_tokens == 3
+
+
+def test_a_replica_lost_mid_answer_is_that_requests_503_and_the_server_serves_on():
+    """One replica's death is its requests' error, never the server's: vLLM's server exits when its engine is dead,
+    so the engine client never says so (cluster/remote_engine.py). A whole answer gets a 503, a stream an error
+    event; the door answers meanwhile and serves again once Ray has restarted the replica."""
+    import ray
+
+    ensure_ray()
+    cfg = config("http-death", replicas=1, gateway={"http_port": "any", "place_timeout_s": 2})
+    with BackgroundServer(cfg) as s:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1", api_key="none", max_retries=0, timeout=60)
+        # 150 tokens of 10 ms each; both requests fit the replica's 16 blocks at once
+        stream = c.chat.completions.create(model="fake", messages=MSG, max_tokens=150, stream=True)
+        got: list = [next(stream), next(stream)]
+        whole: list = []
+
+        def ask():
+            try:
+                whole.append(c.chat.completions.create(model="fake", messages=MSG, max_tokens=150))
+            except openai.APIStatusError as e:
+                whole.append(e)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_for(lambda: s.gateway.dispatcher.inflight == 2, 10, 0.05, what="both requests placed")
+        time.sleep(0.3)  # the whole answer has tokens under way: no retry elsewhere
+        ray.kill(ray.get_actor(status(stub(s.port))["replicas"][0]["name"]), no_restart=False)
+        with pytest.raises(openai.APIError):
+            got.extend(stream)
+        asker.join(60)
+        assert isinstance(whole[0], openai.APIStatusError) and whole[0].status_code == 503, whole
+        assert [m.id for m in c.models.list().data] == ["fake"]  # the server is up
+        wait_for(lambda: status(stub(s.port))["replicas"][0]["state"] == "healthy", 60, 0.2, what="the restart")
+        assert c.chat.completions.create(model="fake", messages=MSG, max_tokens=2).choices[0].message.content
