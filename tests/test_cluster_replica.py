@@ -255,8 +255,9 @@ def test_a_request_the_engine_ended_with_an_error_is_internal_for_its_client_alo
 
         async def generate(self, prompt, params, rid, **engine_kwargs):
             done = rid == "bad"
+            reason = "error" if done else "length"
             out = SimpleNamespace(index=0, text="", token_ids=[] if done else [5], cumulative_logprob=None,
-                                  finish_reason="error" if done else "length", stop_reason=None, logprobs=None)  # fmt: skip
+                                  finish_reason=reason, stop_reason=None, logprobs=None)  # fmt: skip
             yield SimpleNamespace(outputs=[out], finished=True, prompt_logprobs=None, num_cached_tokens=0)
 
     engine = VLLMEngine.__new__(VLLMEngine)

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from cluster_harness import config, ensure_ray, generate, stub
 
-from actors.wire import Chunk, Seq
 from actors.token_channel import ChannelStream, TokenChannel, TokenSender, Unreachable, decode, encode, is_loopback
+from actors.wire import Chunk, Seq
 
 pytestmark = pytest.mark.timeout(120)
 

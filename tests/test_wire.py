@@ -44,8 +44,9 @@ def _position(token: int, lp: float, others: dict[int, float]) -> dict[int, Logp
 def test_a_request_output_crosses_whole_and_comes_back_as_vllms():
     outputs = [
         CompletionOutput(0, " a b", [5, 6], -1.5, [_position(5, -0.5, {9: -2.0}), _position(6, -1.0, {})]),
-        CompletionOutput(1, " c", [7], -0.25, [_position(7, -math.inf, {8: -0.1})], finish_reason="stop",
-                         stop_reason="\n"),  # fmt: skip
+        CompletionOutput(
+            1, " c", [7], -0.25, [_position(7, -math.inf, {8: -0.1})], finish_reason="stop", stop_reason="\n"
+        ),  # fmt: skip
     ]
     prompt_lps = [None, _position(3, -4.0, {4: -0.5})]
     out = RequestOutput("r", None, [1, 3], prompt_lps, outputs, finished=True, num_cached_tokens=32)
