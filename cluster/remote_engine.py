@@ -80,7 +80,10 @@ class RemoteEngineClient(EngineClient):
         self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
         ctx = CONTEXT.get()
-        rid = uuid.uuid4().hex  # the engine's, the controller's and the replica's id for it
+        # The engine's, the controller's and the replica's id for it: the serving layer's (a response's id, so logs and
+        # the engine's finished records name what the client saw) made unique, as AsyncLLM makes it (clients may
+        # choose theirs: X-Request-Id, request_id).
+        rid = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
             async for out in self._generate(prompt, sampling_params, request_id, ctx, rid, kwargs):
                 yield out
