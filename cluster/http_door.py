@@ -35,7 +35,10 @@ log = logging.getLogger("vtoken.http")
 DOOR = "http"
 # Paths that generate (admitted, counted): the OpenAI routes, Anthropic's messages.
 GENERATE = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions", "/v1/responses",
-                      "/v1/messages"})  # fmt: skip
+                      "/v1/messages", "/inference/v1/generate", "/invocations", "/generative_scoring"})  # fmt: skip
+# vLLM's routes that steer its one engine (elastic expert parallelism, its KV event sockets): a cluster of replicas is
+# steered by `vtoken scale` and the controller, so they answer 404 here.
+NOT_SERVED = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep", "/kv_event_sources"})
 GONE_GRACE_S = 1.0  # how long vLLM's app may take to end a request whose client went away before it is cancelled
 # Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/http_gateway.py.
 OWN = frozenset({"/health", "/metrics"})
@@ -82,6 +85,8 @@ class Door:
                 return await _reply(send, 401, error_body(401, message), ((b"www-authenticate", b"Bearer"),))
         if self.own is not None and path in OWN:
             return await self.own(scope, receive, send)
+        if path in NOT_SERVED:
+            return await _reply(send, 404, error_body(404, f"{path} is not served by vtoken serve"))
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:

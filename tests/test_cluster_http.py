@@ -247,6 +247,7 @@ def test_bad_input_gets_openai_error_json_and_the_server_keeps_serving(served, p
 
 def test_an_unknown_path_is_404(served):
     assert post(served, "/v1/embeddings", {"model": "fake", "input": "hi"}).status_code == 404
+    assert post(served, "/scale_elastic_ep", {"new_data_parallel_size": 2}).status_code == 404  # one engine's knob
 
 
 def test_bearer_token_on_every_path_but_health(served):
