@@ -64,7 +64,7 @@ def vllm_error(e: Refused) -> Exception:
 class RemoteEngineClient(EngineClient):
     """Invariants: ``errored`` is never True (a replica's death is its request's error, not the server's); every
     ``generate`` goes through the dispatcher (admission at the door, placement, retries, aborts, metrics); the
-    engine sees the gateway's own request id, the serving layer its own."""
+    replica's engine knows a request by the serving layer's id made unique (clients may reuse theirs)."""
 
     def __init__(self, cfg: ServeConfig, vllm_config: Any, dispatcher: Dispatcher):
         self.cfg, self.dispatcher = cfg, dispatcher
@@ -89,7 +89,7 @@ class RemoteEngineClient(EngineClient):
                 yield out
         except Refused as e:  # the cause stays for the gRPC door, which maps codes, not HTTP statuses
             raise vllm_error(e) from e
-        except (VLLMError, ValueError, TypeError, OverflowError, asyncio.CancelledError, GeneratorExit):
+        except (VLLMError, ValueError, TypeError, OverflowError):
             raise  # vLLM's own (its statuses), the request's fault (vLLM's validation raises ValueError), or the end
         except Exception as e:  # a fault of ours: 500 with an id the log has, never its text (paths, internals)
             log.exception("request %s (client id %r) failed", rid, ctx.client_id)
