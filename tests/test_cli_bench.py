@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from vtoken.bench.overhead import ALL_MODES as ALL_OVERHEAD_MODES
+from vtoken.bench.overhead import QUICK_MODES as QUICK_OVERHEAD_MODES
 
 VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 
@@ -67,7 +67,7 @@ QUICK = {
     ),
     "sla": lambda o: set(o["modes"]) == {"off", "naive", "vtoken"} and o["sla"]["ttft"] > 0,
     "overhead": lambda o: (
-        [r["mode"] for r in o["rows"]] == list(ALL_OVERHEAD_MODES) and all(r["ms_per_step"] > 0 for r in o["rows"])
+        [r["mode"] for r in o["rows"]] == list(QUICK_OVERHEAD_MODES) and all(r["ms_per_step"] > 0 for r in o["rows"])
     ),
     "quality": lambda o: (
         {"full", "h2o@0.25", "h2o@0.25 every 2"} <= set(o["perplexity"]) and o["passkey"]["naive_equals_vtoken"]
@@ -117,9 +117,11 @@ def test_bench_quick(name, tmp_path):
     assert (tmp_path / f"{name}.png").stat().st_size > 5000
 
 
-@pytest.mark.parametrize("suite", ["multi", "agree", "longreply"])
+@pytest.mark.parametrize("suite", ["longreply"])
 def test_bench_retrieval_quick_on_the_held_out_suites(suite, tmp_path):
-    """--quick stays a smoke run for every suite; the JSON and the table say which suite ran and its role."""
+    """--quick stays a smoke run on a held-out suite; the JSON and the table say which suite ran and its role. One
+    engine run (longreply: scored against full KV's replies, as agree); every suite's prompts are built below
+    without an engine (CI's length: each engine run here takes 20-40 s)."""
     pytest.importorskip("vllm")
     from vtoken.cli import main
 
@@ -129,6 +131,21 @@ def test_bench_retrieval_quick_on_the_held_out_suites(suite, tmp_path):
     assert QUICK["retrieval"](out) and all(r["queued"] >= 0 for r in out["saturated"].values())
     assert suite not in ("agree", "longreply") or out["configs"]["full KV"]["hits"] == 3  # full KV agrees with itself
     assert f"Suite {suite}, held out" in (tmp_path / "retrieval.md").read_text()
+
+
+def test_every_suite_builds_its_prompts_at_its_quick_lengths():
+    """What --quick runs of each suite starts from: its cases at the quick lengths and depths, with answers, and the
+    role the tables print (niah alone is tuned on)."""
+    from transformers import AutoTokenizer
+
+    from vtoken.bench.suites import SUITES
+    from vtoken.models import model_path
+
+    tok = AutoTokenizer.from_pretrained(str(model_path("tiny-llama")))
+    for name, suite in SUITES.items():
+        cases = suite.build(tok, [256 if name == "niah" else 384], 2 if name == "niah" else 3)
+        assert len(cases) >= 2 and all(c.prompt and c.answer is not None for c in cases), name
+        assert suite.tuning == (name == "niah") and suite.role
 
 
 def test_bench_goodput_plumbing_on_the_fake_engine(tmp_path):
