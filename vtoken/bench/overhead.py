@@ -40,7 +40,7 @@ ALL_MODES = (
     "vtoken-h2o-every4",
 )  # fmt: skip
 # --quick: a smoke run of the path each kind of mode takes (an engine start is about 10 s on 2 cores)
-QUICK_MODES = ("stock", "off", "vtoken-default", "vtoken-h2o", "naive-h2o")
+QUICK_MODES = ("stock", "vtoken-default", "naive-h2o")
 
 
 def add_args(p) -> None:

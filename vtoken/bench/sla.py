@@ -179,7 +179,7 @@ def run(args) -> dict:
     from vtoken.models import model_path
 
     if args.quick:
-        model, plen, m, pool, n, rates, chunk = "tiny-llama", 64, 32, 16, 6, [2.0, 8.0], 32
+        model, plen, m, pool, n, rates, chunk = "tiny-llama", 64, 32, 16, 6, [8.0], 32  # one rung: a smoke run
     else:
         model, plen, m, pool, n = args.model, args.prompt_tokens, args.max_tokens, args.pool_blocks, args.requests
         rates, chunk = ladder(args.start_rate, args.rate_step, args.max_rate), args.prefill_chunk
