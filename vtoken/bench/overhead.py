@@ -33,6 +33,7 @@ import numpy as np
 
 from vtoken.bench.engine_run import Engine, log, real_prompts
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 
 CORE_MODES = ("off", "vtoken-snapkv", "vtoken-streaming", "vtoken-h2o", "naive-h2o", "vtoken-h2o-every4")
 ALL_MODES = (
@@ -48,7 +49,7 @@ def add_args(p) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET)
     p.add_argument("--rounds", type=int, default=5, help="every mode runs once per round")
     p.add_argument("--modes", default=",".join(CORE_MODES), help=f"comma-separated, of {','.join(ALL_MODES)}")
 
@@ -247,7 +248,7 @@ def window_micro(
     dtype: str = "float32",
     shapes: str = "smollm2-135m",
     block: int = 32,
-    budget: float = 0.5,
+    budget: float = SHIPPED_BUDGET,
 ) -> dict:
     """The default's decode scoring against the per-step scorer, per decode step, on a model's shapes: the window of
     recent queries (vtoken/kv/query_window.py) written every step and scored once per decision, a decision about every

@@ -31,12 +31,13 @@ import numpy as np
 from vtoken.bench.concurrency import _block_bytes
 from vtoken.bench.engine_run import log, real_prompts
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 
 
 def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy", default="snapkv", help="the default policy")
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--pool-blocks", type=int, default=40)
