@@ -71,8 +71,9 @@ def test_prefix_hits_while_requests_evict_shed_and_park_are_exact(name, cfg, kw)
     assert r.stats["free_blocks"] == r.stats["total_blocks"]
 
 
-@pytest.mark.parametrize("cfg, kw", [({"mode": "vtoken", "policy": "h2o", **EVICT}, {}), (SHED, SHORT)])
-def test_negative_control_compacted_blocks_offered_as_hits_break_exactness(cfg, kw):
-    r = engine(cfg, {"fault": "cache_dirty"}, shared_prefix=64, rounds=2, **kw)
+def test_negative_control_compacted_blocks_offered_as_hits_break_exactness():
+    """The fault lives where blocks are hashed, the same for every mode: one mode shows the test can fail (the
+    shedding mode's run, about 45 s here, showed it too before CI's length asked for one)."""
+    r = engine({"mode": "vtoken", "policy": "h2o", **EVICT}, {"fault": "cache_dirty"}, shared_prefix=64, rounds=2)
     with pytest.raises(AssertionError):
         check_exact(r)

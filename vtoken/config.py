@@ -24,6 +24,10 @@ REQUEST_KEYS = frozenset(
 )  # fmt: skip
 
 
+# The shipped budget: VTokenConfig's default and every benchmark's (tests/test_docs.py holds the configs to it).
+SHIPPED_BUDGET = 0.5
+
+
 class VTokenConfig(BaseModel):
     """How (and whether) a vLLM engine evicts tokens and reclaims their blocks."""
 
@@ -40,7 +44,9 @@ class VTokenConfig(BaseModel):
         "facts whole while a prompt is read), h2o, scissorhands, random, streaming",
     )
     budget: float = Field(
-        0.5, allow_inf_nan=False, description="live tokens kept per request: a ratio (< 1) of the context, or a count"
+        SHIPPED_BUDGET,
+        allow_inf_nan=False,
+        description="live tokens kept per request: a ratio (< 1) of the context, or a count",
     )
     interval: int | Literal["block"] = Field(
         "block",

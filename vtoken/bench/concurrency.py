@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from vtoken.bench.engine_run import Engine, log, real_prompts
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 
 MAX_N = 64
 
@@ -24,7 +25,7 @@ MAX_N = 64
 def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy", default="snapkv", help="the default policy")
-    p.add_argument("--budgets", default="0.5")
+    p.add_argument("--budgets", default=str(SHIPPED_BUDGET))
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--pool-blocks", type=int, default=160, help="KV pool size in blocks of 32 tokens")

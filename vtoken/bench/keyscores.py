@@ -34,6 +34,7 @@ from vtoken.bench.engine_run import log
 from vtoken.bench.needles import wilson
 from vtoken.bench.quality import masked_forward
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 from vtoken.core.budget import kept_tokens
 
 SCORERS = ("window", "knorm", "keydiff", "streaming")
@@ -43,7 +44,7 @@ def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--suite", default="niah", choices=("niah", "multi"), help="niah: the tuning suite; multi: held out")
     p.add_argument("--scorers", default=",".join(SCORERS))
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET)
     p.add_argument("--lengths", default="1024,2048")
     p.add_argument("--depths", type=int, default=10)
     p.add_argument("--prefill-chunk", type=int, default=256)

@@ -35,6 +35,7 @@ from typing import Any
 
 from vtoken.bench.engine_run import log
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 
 SERVERS = ("stock", "off", "vtoken", "two")  # the default; "off-ray" on request
 EXTRA_SERVERS = ("off-ray",)
@@ -51,7 +52,7 @@ def add_args(p) -> None:
     p.add_argument("--kv-bytes", type=int, default=64 << 20, help="KV pool of every server (each replica)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--policy", default="snapkv")
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET)
     p.add_argument("--goodput", default="ttft:4000,tpot:250", help="SLA in ms, vLLM's --goodput KEY:VALUE pairs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

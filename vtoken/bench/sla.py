@@ -31,12 +31,13 @@ import numpy as np
 from vtoken.bench.concurrency import _block_bytes
 from vtoken.bench.engine_run import log, real_prompts
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 
 
 def add_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policy", default="snapkv", help="the default policy")
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--pool-blocks", type=int, default=40)
@@ -179,7 +180,7 @@ def run(args) -> dict:
     from vtoken.models import model_path
 
     if args.quick:
-        model, plen, m, pool, n, rates, chunk = "tiny-llama", 64, 32, 16, 6, [2.0, 8.0], 32
+        model, plen, m, pool, n, rates, chunk = "tiny-llama", 64, 32, 16, 6, [8.0], 32  # one rung: a smoke run
     else:
         model, plen, m, pool, n = args.model, args.prompt_tokens, args.max_tokens, args.pool_blocks, args.requests
         rates, chunk = ladder(args.start_rate, args.rate_step, args.max_rate), args.prefill_chunk

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from vtoken.bench.engine_run import log
+from vtoken.config import SHIPPED_BUDGET
 
 
 def add_args(p) -> None:
@@ -24,7 +25,7 @@ def add_args(p) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET)
 
 
 def _run_policy(model_dir: str, policy: str, args, prompts) -> dict:
