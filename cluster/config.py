@@ -221,7 +221,13 @@ class GatewayConfig(_Strict):
         ge=1,
         le=64,
         description="threads that render chat templates and tokenize, off the gateway's event loop (vLLM's "
-        "renderer_num_workers; a template's rendering is bounded by vLLM's VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT, 30 s)",
+        "renderer_num_workers)",
+    )
+    render_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="longest a request's chat template may render (beyond, HTTP 413 / RESOURCE_EXHAUSTED; the stuck "
+        "thread is replaced); sets vLLM's VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT in the gateway",
     )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")

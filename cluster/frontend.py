@@ -11,10 +11,12 @@ and the reasoning parser (the EngineCore's grammar waits for the end of reasonin
 from __future__ import annotations
 
 import logging
+import os
 from argparse import Namespace
 from typing import Any, NamedTuple
 
 from cluster.config import ServeConfig
+from cluster.requests import RENDER_TIMEOUT_ENV, render_too_long
 
 log = logging.getLogger("vtoken.frontend")
 
@@ -69,6 +71,8 @@ def frontend(cfg: ServeConfig) -> Frontend:
             raise ValueError(f"engine.extra.{key}: not an argument of vLLM's engine")
         setattr(args, key, value)
     args.renderer_num_workers = cfg.gateway.parse_workers
+    # vLLM reads its bound on a template's rendering from the environment, at every rendering (vllm/envs.py)
+    os.environ[RENDER_TIMEOUT_ENV] = str(cfg.gateway.render_timeout_s)
     engine = AsyncEngineArgs.from_cli_args(args)
     model_config = engine.create_model_config()
     model_config.quantization = None  # a render-only config: no quantized kernels (as vLLM's render server)
@@ -103,5 +107,20 @@ async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
     fe = await asyncio.to_thread(frontend, cfg)
     engine = await asyncio.to_thread(RemoteEngineClient, cfg, fe.vllm_config, dispatcher)
     app = build_app(fe.args, SUPPORTED_TASKS, fe.vllm_config.model_config)
+    app.exception_handler(TimeoutError)(_timeout_handler)
+    if app.middleware_stack is not None:  # built by vLLM's SageMaker bootstrap: rebuilt with the handler, as it does
+        app.middleware_stack = app.build_middleware_stack()
     await init_app_state(engine, app.state, fe.args, SUPPORTED_TASKS)
     return Served(app, engine)
+
+
+async def _timeout_handler(request: Any, exc: Exception) -> Any:
+    """A chat template that rendered past ``gateway.render_timeout_s`` is the request's fault, a 413 (beside vLLM's
+    handlers, vllm/entrypoints/serve/exception_handling/register.py, whose safety net answers it with a 500)."""
+    from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
+    from vllm.entrypoints.serve.exception_handling.handlers.vllm_error import vllm_error_handler
+
+    mapped = render_too_long(exc)
+    if mapped is None:
+        return await exception_handler(request, exc)
+    return await vllm_error_handler(request, mapped)

@@ -34,7 +34,7 @@ from cluster.dispatch import Dispatcher, Refused, failure, internal_message  # n
 from cluster.frontend import Served
 from cluster.grpc_requests import parse, render
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import CONTEXT, BadRequest
+from cluster.requests import CONTEXT, BadRequest, render_too_long
 from cluster.status import to_proto
 
 log = logging.getLogger("vtoken.gateway")
@@ -189,7 +189,7 @@ class Gateway:
         except Exception as e:  # the remote engine client's vLLM errors: the dispatcher's code where it refused
             if isinstance(e, grpc.aio.AbortError):
                 raise
-            code, message = _status(e)
+            code, message = _status(render_too_long(e) or e)
             if code == Code.INVALID_ARGUMENT:
                 self.dispatcher.metrics.refused(DOOR, "invalid_argument")
             await context.abort(code, message)

@@ -29,7 +29,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 from cluster.auth import bearer_ok
 from cluster.dispatch import Refused, internal_message
 from cluster.remote_engine import CONTEXT, RequestContext, vllm_error
-from cluster.requests import EXTENSION, BadRequest, vtoken_options
+from cluster.requests import EXTENSION, BadRequest, render_too_long, vtoken_options
 
 log = logging.getLogger("vtoken.http")
 DOOR = "http"
@@ -240,6 +240,7 @@ class FirstEvent:
 
         if isinstance(e, Refused):
             e = vllm_error(e)
+        e = render_too_long(e) or e
         err = create_error_response(e)
         if err.error.code >= 500 and not _ours_expected(e):
             rid = uuid.uuid4().hex

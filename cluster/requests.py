@@ -21,6 +21,25 @@ from vtoken.config import REQUEST_KEYS, VTokenConfig, request_args
 EXTENSION = "vtoken"  # the request's own eviction options: HTTP extra_body={"vtoken": {...}}, gRPC VTokenOptions
 
 
+RENDER_TIMEOUT_ENV = "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT"  # vLLM's bound on one template rendering (renderers/hf.py)
+
+
+def render_too_long(e: BaseException) -> Exception | None:
+    """vLLM's renderer gave up on a chat template (``HfRenderer._render_with_timeout``, a bare ``TimeoutError``
+    that vLLM's server answers with a 500) as the request's fault: a 413 naming the gateway's key; else None."""
+    from http import HTTPStatus
+
+    from vllm.exceptions import GracefulHTTPError
+
+    if not isinstance(e, TimeoutError) or not str(e).startswith("Chat template rendering timed out"):
+        return None
+    import os
+
+    bound = os.environ.get(RENDER_TIMEOUT_ENV, "?")
+    message = f"rendering the chat template took longer than gateway.render_timeout_s ({bound} s); refused"
+    return GracefulHTTPError(message, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+
+
 class BadRequest(ValueError):
     """The request cannot be served as sent; ``param`` names the field at fault when one is."""
 

@@ -281,6 +281,68 @@ def test_an_unexpected_failure_is_500_with_the_request_id_and_no_traceback(serve
     assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices
 
 
+# ------------------------------------------------------------------ chat templates (issue 46, on vLLM's door)
+SMUGGLED = "X {{ messages[0].content }}"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"chat_template": SMUGGLED}, "untrusted chat template"),
+        ({"chat_template_kwargs": {"chat_template": SMUGGLED}}, "untrusted chat template"),
+    ],
+)
+def test_a_clients_chat_template_never_reaches_the_renderer(served, path, extra, needle):
+    """Issue 46: a template sent with the request, or smuggled in chat_template_kwargs, is refused by vLLM's
+    renderer (the deployment's template is the only one); the door keeps serving."""
+    r = post(served, path, {"model": "fake", "messages": MSG, "max_tokens": 1, **extra})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert post(served, "/tokenize", {"model": "fake", "messages": MSG}).json()["count"] > 1
+
+
+def test_a_template_that_renders_too_long_is_413_for_both_doors_and_health_answers_meanwhile(served):
+    """Issue 46: rendering runs off the event loop (vLLM's renderer threads) and is bounded by
+    gateway.render_timeout_s: past it, HTTP 413 and gRPC RESOURCE_EXHAUSTED (vLLM's server would answer 500), while
+    /health answers throughout; the stuck thread is replaced and the next request renders."""
+    from cluster.requests import RENDER_TIMEOUT_ENV
+
+    tok = served.gateway.state.openai_serving_chat.renderer.tokenizer
+    plain, before = tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV]
+    spinning = threading.Event()
+
+    def slow(*args, **kwargs):  # pure Python holding the GIL between switches, as a template's loop does
+        if not spinning.is_set():
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                pass
+        return plain(*args, **kwargs)
+
+    tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV] = slow, "1"
+    try:
+        out: dict = {}
+        body = {"model": "fake", "messages": MSG}
+        t = threading.Thread(target=lambda: out.update(r=post(served, "/v1/chat/completions", body)))
+        t.start()
+        waits = []
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert httpx.get(served.url + "/health", timeout=30).status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        r = out["r"]
+        assert r.status_code == 413 and "gateway.render_timeout_s (1 s)" in r.json()["error"]["message"], r.text
+        assert max(waits) < 1.0, f"/health waited {max(waits):.2f} s while a template rendered"
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(served.port).Generate(pb.GenerateRequest(messages=chat), metadata=AUTH, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "render_timeout_s" in e.value.details()
+    finally:
+        spinning.set()
+        tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV] = plain, before
+    assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices
+
+
 def test_over_max_inflight_is_429_for_http_and_grpc_together(served):
     """max_inflight (6) bounds both doors at once: four HTTP streams and two gRPC streams fill it. (The pools
     admit one of these requests per replica at a time: the others wait in the engines, admitted by the gateway.)"""
