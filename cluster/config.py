@@ -223,6 +223,12 @@ class GatewayConfig(_Strict):
         description="threads that render chat templates and tokenize, off the gateway's event loop (vLLM's "
         "renderer_num_workers)",
     )
+    responses_store: bool = Field(
+        False,
+        description="the Responses API's store (store, GET /v1/responses/{id}, previous_response_id), in the "
+        "gateway's memory, unbounded and lost when the gateway restarts, as vLLM's (VLLM_ENABLE_RESPONSES_API_STORE); "
+        "off: a stored response is not kept, as in vllm serve",
+    )
     render_timeout_s: float = Field(
         10.0,
         gt=0,

@@ -73,6 +73,8 @@ def frontend(cfg: ServeConfig) -> Frontend:
     args.renderer_num_workers = cfg.gateway.parse_workers
     # vLLM reads its bound on a template's rendering from the environment, at every rendering (vllm/envs.py)
     os.environ[RENDER_TIMEOUT_ENV] = str(cfg.gateway.render_timeout_s)
+    # vLLM's Responses serving reads its store switch from the environment when it is built (init_app_state)
+    os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = "1" if cfg.gateway.responses_store else "0"
     engine = AsyncEngineArgs.from_cli_args(args)
     model_config = engine.create_model_config()
     model_config.quantization = None  # a render-only config: no quantized kernels (as vLLM's render server)

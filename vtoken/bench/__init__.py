@@ -31,6 +31,7 @@ BENCHMARKS = {
         "keyscores",
         "fleet",
         "chat",
+        "parity",
     )  # fmt: skip
 }
 
