@@ -273,9 +273,12 @@ class VLLMEngine(Engine):
         started = False
         try:
             params = SamplingParams.from_optional(**spec.sampling, output_kind=RequestOutputKind.DELTA)
+            kwargs = dict(spec.engine_kwargs)
             prompt = TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids))
+            if kwargs.get("cache_salt"):  # the prompt's, as vLLM's renderer put it there (wire.GenerateSpec)
+                prompt["cache_salt"] = kwargs.pop("cache_salt")
             # AsyncLLM.generate aborts the request itself when this generator is closed or cancelled.
-            async for out in self.llm.generate(prompt, params, spec.request_id, **spec.engine_kwargs):
+            async for out in self.llm.generate(prompt, params, spec.request_id, **kwargs):
                 started = True
                 if any(c.finish_reason == "error" for c in out.outputs):  # the engine ended this request alone
                     # (vToken could not decide for it; the replica's log has why): an error for this client, and

@@ -39,8 +39,8 @@ class GenerateSpec:
     ``SamplingParams.from_optional(**sampling)`` rebuilds it, and a fake replica reads it without importing vLLM),
     with ``extra_args["vtoken"]`` = the request's own eviction options when it chose some; ``engine_kwargs``: the
     arguments of ``AsyncLLM.generate`` vLLM's serving layer set beside them (priority, reasoning_ended,
-    reasoning_parser_kwargs). ``request_id`` is the gateway's, unique per stream (never the client's, which clients
-    may reuse)."""
+    reasoning_parser_kwargs) and the prompt's ``cache_salt``, which the replica puts back in the prompt.
+    ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse)."""
 
     request_id: str
     prompt_token_ids: list[int]

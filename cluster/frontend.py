@@ -80,10 +80,12 @@ def frontend(cfg: ServeConfig) -> Frontend:
     model_config.quantization = None  # a render-only config: no quantized kernels (as vLLM's render server)
     structured = engine.create_structured_outputs_config()
     args.structured_outputs_config = structured
+    engine._set_default_reasoning_config_args()  # as create_engine_config does for the replicas' engines
     config = VllmConfig(
         model_config=model_config,
         logging_config=engine.create_logging_config(),
         structured_outputs_config=structured,
+        reasoning_config=engine.reasoning_config,
     )
     return Frontend(args, config)
 

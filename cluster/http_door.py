@@ -29,7 +29,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 from cluster.auth import bearer_ok
 from cluster.dispatch import Refused, internal_message
 from cluster.remote_engine import CONTEXT, RequestContext, vllm_error
-from cluster.requests import EXTENSION, BadRequest, render_too_long, vtoken_options
+from cluster.requests import EXTENSION, BadRequest, Live, render_too_long, vtoken_options
 
 log = logging.getLogger("vtoken.http")
 DOOR = "http"
@@ -102,11 +102,20 @@ class Door:
             return await self._refuse(send, generate, "invalid_argument", str(e), e.param)
         if not generate:
             return await self._run(scope, body, receive, send, ctx, path)
+        slot = self.gw.dispatcher.admit(DOOR)
         try:
-            with self.gw.dispatcher.admit(DOOR):
-                return await self._run(scope, body, receive, send, ctx, path)
+            slot.__enter__()
         except Refused as e:  # admission: counted by the dispatcher
             return await _reply(send, STATUS_OF[e.code], error_body(STATUS_OF[e.code], e.message, e.param))
+        live = ctx.seen["live"]
+        try:
+            await self._run(scope, body, receive, send, ctx, path)
+        finally:
+            live.door_done = True
+            if live.n == 0:
+                slot.__exit__(None, None, None)
+            else:  # a background request runs on after its answer: the slot stays with it until it ends
+                asyncio.ensure_future(_release_when_idle(live, slot))
 
     async def _refuse(self, send, generate: bool, code: str, message: str, param: str | None = None) -> None:
         if generate:
@@ -134,7 +143,8 @@ class Door:
             if not message.get("more_body", False):
                 break
         body = b"".join(parts)
-        ctx = RequestContext(door=DOOR, client_id=headers.get(b"x-request-id", b"").decode("latin-1"))
+        ctx = RequestContext(door=DOOR, client_id=headers.get(b"x-request-id", b"").decode("latin-1"),
+                             seen={"live": Live()})  # fmt: skip
         if not body or not headers.get(b"content-type", b"").lower().startswith(b"application/json"):
             return body, scope, ctx  # vLLM's own checks answer
         obj = load_json(body)
@@ -238,6 +248,12 @@ class FirstEvent:
         event ends the stream (never a clean end after a truncated answer). Our own faults are logged."""
         from vllm.entrypoints.serve import create_error_response
 
+        if isinstance(e, RuntimeError) and str(e).startswith("Caught handled exception") and e.__cause__:
+            # Starlette's words for an error its handlers would map after the held start went out (a streamed
+            # Responses request refused before its first output: vLLM's generator lets it out): the error itself
+            e = e.__cause__
+        while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+            e = e.exceptions[0]
         if isinstance(e, Refused):
             e = vllm_error(e)
         e = render_too_long(e) or e
@@ -298,6 +314,13 @@ def load_json(raw: bytes) -> Any:
         raise BadRequest(f"malformed JSON: {e}") from None
     except RecursionError:  # Python's parser recurses once per nesting level
         raise BadRequest("malformed JSON: nested too deeply") from None
+
+
+async def _release_when_idle(live: Live, slot) -> None:
+    try:
+        await live.idle.wait()
+    finally:
+        slot.__exit__(None, None, None)
 
 
 async def _disconnected(receive) -> None:

@@ -84,9 +84,16 @@ class RemoteEngineClient(EngineClient):
         # the engine's finished records name what the client saw) made unique, as AsyncLLM makes it (clients may
         # choose theirs: X-Request-Id, request_id).
         rid = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        live = ctx.seen.get("live") if ctx.seen is not None else None
         try:
-            async for out in self._generate(prompt, sampling_params, request_id, ctx, rid, kwargs):
-                yield out
+            with contextlib.ExitStack() as held:
+                if live is not None:
+                    live.enter()
+                    held.callback(live.exit)
+                    if live.door_done:  # started after its door's answer (a background request): admitted on its own
+                        held.enter_context(self.dispatcher.admit(ctx.door))
+                async for out in self._generate(prompt, sampling_params, request_id, ctx, rid, kwargs):
+                    yield out
         except Refused as e:  # the cause stays for the gRPC door, which maps codes, not HTTP statuses
             raise vllm_error(e) from e
         except (VLLMError, ValueError, TypeError, OverflowError):
@@ -116,6 +123,7 @@ class RemoteEngineClient(EngineClient):
                     else:
                         merged.add(out, aggregate=True)
                     if kind == RequestOutputKind.CUMULATIVE or merged.finished:
+                        merged.outputs.sort(key=lambda o: o.index)  # AsyncLLM's order (add() appends by arrival)
                         yield merged
         finally:
             if self._running.get(request_id) is task:
@@ -135,15 +143,21 @@ class RemoteEngineClient(EngineClient):
                 "vllm_xargs.vtoken: set eviction options in the request's own `vtoken` field", parameter="vllm_xargs"
             )
         ids = list(prompt["prompt_token_ids"])
+        # AsyncLLM.generate's own arguments beside the prompt (an explicit reasoning_ended=False is kept: the
+        # replica's engine would otherwise judge the prompt itself), and the prompt's cache_salt (the replica's
+        # prefix cache keeps salted prefixes apart, as vLLM's does; placement then follows no prefix)
         engine = {k: v for k, v in kwargs.items() if k in ("priority", "reasoning_ended", "reasoning_parser_kwargs")
-                  and v not in (None, 0)}  # fmt: skip
+                  and v is not None and not (k == "priority" and v == 0)}  # fmt: skip
+        salt = prompt.get("cache_salt")
+        if salt:
+            engine["cache_salt"] = salt
         return ValidRequest(
             request_id=ctx.client_id or request_id,
             prompt_token_ids=ids,
             sampling=sampling,
             deadline_s=ctx.deadline_s,
             eviction=ctx.eviction or self.served,
-            prefix_hashes=prefix_hashes(ids, self.cfg.engine.block_size),
+            prefix_hashes=() if salt else prefix_hashes(ids, self.cfg.engine.block_size),
             engine_kwargs=engine,
         )
 

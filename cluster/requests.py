@@ -150,6 +150,27 @@ class RequestContext(NamedTuple):
     seen: dict | None = None
 
 
+class Live:
+    """The ``generate`` calls of one HTTP request still running, so its admission lasts as long as they do: a
+    background Responses request (``background: true``) runs on after its answer went out. ``door_done``: the door's
+    own admission has ended; a ``generate`` that starts after it is admitted on its own."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.n, self.door_done, self.idle = 0, False, asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.n += 1
+        self.idle.clear()
+
+    def exit(self) -> None:
+        self.n -= 1
+        if self.n == 0:
+            self.idle.set()
+
+
 # Set by a door for the request it serves (the HTTP door's middleware, the gRPC handler); tasks the serving layer
 # starts for the request inherit it.
 CONTEXT: contextvars.ContextVar[RequestContext] = contextvars.ContextVar("vtoken_request", default=RequestContext())  # noqa: B039 (seen: None)

@@ -245,6 +245,15 @@ def test_bad_input_gets_openai_error_json_and_the_server_keeps_serving(served, p
     assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices[0].finish_reason
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_request_refused_before_its_first_output_keeps_its_status(served, stream):
+    """A Responses request that can never fit the pool (the fake's 16 blocks of 32 tokens) is a 400 with the reason,
+    streamed or not; streamed, vLLM's generator lets the refusal out after the held start (it was a 500)."""
+    r = post(served, "/v1/responses", {"model": "fake", "input": "hi", "max_output_tokens": 600, "stream": stream})
+    assert r.status_code == 400 and "the pool has 16" in r.json()["error"]["message"], r.text
+    assert served.client.responses.create(model="fake", input="hi", max_output_tokens=2).output_text
+
+
 def test_an_unknown_path_is_404(served):
     assert post(served, "/v1/embeddings", {"model": "fake", "input": "hi"}).status_code == 404
     assert post(served, "/scale_elastic_ep", {"new_data_parallel_size": 2}).status_code == 404  # one engine's knob

@@ -146,3 +146,95 @@ def test_accepted_eviction_options_become_request_args_and_bound_the_block_estim
 def test_the_grpc_doors_eviction_options_reach_the_context(state):
     r = rendered(state, req(prompt="hi", vtoken=pb.VTokenOptions(policy="random", budget=0.5)))
     assert r.context.eviction.extra_args == {"vtoken": {"policy": "random", "budget": 0.5}}
+
+
+# ------------------------------------------------------------------------------ the remote engine client
+class _Stream:
+    """A dispatcher whose stream yields the given chunks, and which admits as Dispatcher.admit does."""
+
+    def __init__(self, chunks):
+        self.chunks, self.inflight = chunks, 0
+
+    async def stream(self, req, rid, door):
+        from cluster.dispatch import Delta
+
+        for c in self.chunks:
+            yield Delta("r0", c)
+
+    def admit(self, door):
+        import contextlib
+
+        @contextlib.contextmanager
+        def slot():
+            self.inflight += 1
+            try:
+                yield
+            finally:
+                self.inflight -= 1
+
+        return slot()
+
+
+def _client(chunks):
+    from cluster.frontend import frontend
+    from cluster.remote_engine import RemoteEngineClient
+
+    return RemoteEngineClient(CFG, frontend(CFG).vllm_config, _Stream(chunks))
+
+
+def test_the_engine_arguments_and_cache_salt_cross_as_the_serving_layer_set_them():
+    """reasoning_ended=False is an answer, not an absence (it was dropped: False == 0); a salted prompt keeps its
+    salt for the replica's prefix cache and follows no prefix in placement."""
+    from vllm import SamplingParams
+
+    from cluster.requests import RequestContext
+
+    eng = _client([])
+    prompt = {"type": "token", "prompt_token_ids": list(range(5, 100)), "cache_salt": "tenant-a"}
+    kw = {"reasoning_ended": False, "priority": 0, "reasoning_parser_kwargs": None}
+    v = eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), kw)
+    assert v.engine_kwargs == {"reasoning_ended": False, "cache_salt": "tenant-a"} and v.prefix_hashes == ()
+    plain = eng._valid({**prompt, "cache_salt": None}, SamplingParams(max_tokens=4), "r", RequestContext(), {})
+    assert plain.engine_kwargs == {} and len(plain.prefix_hashes) == 95 // CFG.engine.block_size
+
+
+def test_a_whole_answer_of_n_sequences_is_in_index_order_whatever_order_they_finished_in():
+    """FINAL_ONLY: vLLM's RequestOutput.add appends sequences as they arrive; AsyncLLM answers in index order, and
+    completions number choices by position."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from actors.wire import Chunk, Seq
+
+    chunks = [Chunk((Seq(1, " b", (7,), finish_reason="length"),)),
+              Chunk((Seq(0, " a", (6,), finish_reason="length"),), finished=True)]  # fmt: skip
+    params = SamplingParams(max_tokens=1, n=2, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        eng = _client(chunks)
+        return [o async for o in eng.generate({"type": "token", "prompt_token_ids": [5, 6]}, params, "r")]
+
+    (out,) = asyncio.run(run())
+    assert [(o.index, o.text) for o in out.outputs] == [(0, " a"), (1, " b")]
+
+
+def test_a_generate_after_its_doors_answer_is_admitted_on_its_own_until_it_ends():
+    """A background Responses request runs on after the door's answer (and its admission) ended: its generate holds
+    a slot of max_inflight of its own while it runs."""
+    from vllm import SamplingParams
+
+    from actors.wire import Chunk, Seq
+    from cluster.requests import CONTEXT, Live, RequestContext
+
+    async def run():
+        eng = _client([Chunk((Seq(0, " a", (6,), finish_reason="length"),), finished=True)])
+        live = Live()
+        live.door_done = True
+        CONTEXT.set(RequestContext(seen={"live": live}))
+        seen = []
+        async for _ in eng.generate({"type": "token", "prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1), "r"):
+            seen.append((eng.dispatcher.inflight, live.n))
+        return seen, eng.dispatcher.inflight, live.n, live.idle.is_set()
+
+    seen, inflight, n, idle = asyncio.run(run())
+    assert seen == [(1, 1)] and inflight == 0 and n == 0 and idle

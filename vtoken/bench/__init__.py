@@ -32,6 +32,8 @@ BENCHMARKS = {
         "fleet",
         "chat",
         "parity",
+        "doorcost",
+        "lmeval",
     )  # fmt: skip
 }
 

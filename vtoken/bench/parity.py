@@ -48,7 +48,7 @@ def add_args(p) -> None:
     p.add_argument("--kv-bytes", type=int, default=64 << 20, help="KV pool of every server")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument(
-        "--reasoning-parser", default="deepseek_r1", help="vLLM's reasoning parser of the reasoning rows ('': none)"
+        "--reasoning-parser", default="granite", help="vLLM's reasoning parser of the reasoning rows ('': none)"
     )
 
 
