@@ -80,9 +80,36 @@ def _lm_eval(args, url: str, run: str, out: Path) -> dict[str, Any]:
     metrics = result["results"][task]
     key = "acc,none" if run == "loglikelihood" else "exact_match,first_word"
     samples = max(out.rglob(f"samples_{task}_*.jsonl"), key=lambda p: p.stat().st_mtime).read_text().splitlines()
-    hits = [int(json.loads(s)[key.split(",")[0]]) for s in samples]
+    rows = [json.loads(s) for s in samples]
+    rows.sort(key=lambda x: x["doc_id"])
+    hits = [int(x[key.split(",")[0]]) for x in rows]
+    # what the server answered: each choice's log-likelihood (loglikelihood), the generated text (generate)
+    said = [[_first(c) for c in x["resps"]] if run == "loglikelihood" else [str(_leaf(x["resps"]))] for x in rows]
     return {"task": task, "metric": key, "score": metrics[key], "n": len(hits), "hits": sum(hits),
-            "per_question": hits}  # fmt: skip
+            "per_question": hits, "answers": said}  # fmt: skip
+
+
+def _leaf(v: Any) -> Any:
+    """The first leaf of lm-eval's nested responses (a choice's log-likelihood, a generated text)."""
+    while isinstance(v, list | tuple) and v:
+        v = v[0]
+    return v
+
+
+def _first(v: Any) -> Any:
+    """``_leaf`` as a float where it is a number (lm-eval may write them as strings)."""
+    v = _leaf(v)
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        abs(x - y) <= 1e-3 if isinstance(x, float) and isinstance(y, float) else x == y
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -126,19 +153,21 @@ def tables(result: dict) -> list[Table]:
     for name, runs in scores.items():
         for run_name, r in runs.items():
             lo, hi = wilson(r["hits"], r["n"])
-            same = "-"
+            same = said = "-"
             if base is not None and name != "stock":
-                b = base[run_name]["per_question"]
-                same = f"{sum(x == y for x, y in zip(r['per_question'], b, strict=False))}/{len(b)}"
+                b = base[run_name]
+                same = f"{sum(x == y for x, y in zip(r['per_question'], b['per_question'], strict=False))}/{b['n']}"
+                said = f"{sum(_same(x, y) for x, y in zip(r['answers'], b['answers'], strict=False))}/{b['n']}"
             rows.append([name, run_name, r["task"], f"{r['hits']}/{r['n']}", f"{r['score']:.3f}",
-                         f"[{lo:.2f}, {hi:.2f}]", same])  # fmt: skip
+                         f"[{lo:.2f}, {hi:.2f}]", same, said])  # fmt: skip
     return [
         Table(
             f"lm-evaluation-harness on {result['model']}: local-completions (loglikelihood) and "
             "local-chat-completions (generate-until)",
-            ["server", "run", "task", "hits", "score", "95% interval", "questions scored as stock"],
+            ["server", "run", "task", "hits", "score", "95% interval", "scored as stock", "answered as stock"],
             rows,
-            f"vtoken-always: every request evicted to budget {result['budget']}. The tasks: "
-            "vtoken/bench/lmeval_tasks/ (40 questions, nothing tuned on them).",
+            f"vtoken-always: every request evicted to budget {result['budget']}. Scored as stock: questions with "
+            "stock's hit or miss; answered as stock: the same generated text, or every choice's log-likelihood "
+            "within 1e-3. The tasks: vtoken/bench/lmeval_tasks/ (40 questions, nothing tuned on them).",
         )
     ]
