@@ -56,7 +56,8 @@ def _server(name: str, args):
         with stock_server(args, str(model_path(args.model))) as url:
             yield url
         return
-    vt = {"off": {"mode": "off"}, "vtoken": {}, "vtoken-always": {"evict": "always", "budget": args.budget}}[name]
+    on = {"mode": "vtoken"}
+    vt = {"off": {"mode": "off"}, "vtoken": on, "vtoken-always": {**on, "evict": "always", "budget": args.budget}}[name]
     with vtoken_server(args, 1, vt) as url:
         yield url
 
@@ -78,7 +79,7 @@ def _lm_eval(args, url: str, run: str, out: Path) -> dict[str, Any]:
         raise RuntimeError(f"lm_eval failed ({run}): {r.stderr[-3000:]}")
     result = json.loads(max(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime).read_text())
     metrics = result["results"][task]
-    key = "acc,none" if run == "loglikelihood" else "exact_match,first_word"
+    key = "acc,none" if run == "loglikelihood" else "contains,none"
     samples = max(out.rglob(f"samples_{task}_*.jsonl"), key=lambda p: p.stat().st_mtime).read_text().splitlines()
     rows = [json.loads(s) for s in samples]
     rows.sort(key=lambda x: x["doc_id"])

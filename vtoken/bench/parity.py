@@ -6,8 +6,10 @@ On one machine, with the same model, engine settings, tool and reasoning parsers
   stock    stock vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: what `vllm serve` runs)
   off      `vtoken serve`, one replica, vToken off: must answer as stock does (greedy: the same text, the same
            shapes; log-probabilities within 1e-3)
-  vtoken   the same with vToken's defaults (``--servers`` names it; not in ``--quick``): the same shapes; a
-           text may differ where eviction dropped tokens the answer read
+  vtoken   the same with vToken's defaults (not in ``--quick``): eviction under memory pressure only, which one
+           request at a time never makes, so every answer is full KV's
+  always   vToken evicting every request to ``--budget`` (``evict: always``): the same shapes; a text may differ
+           where eviction dropped tokens the answer read
 
 Every answer is reduced to what a client reads (texts, finish reasons, token counts, tool calls, log-probabilities,
 an error's status), ids and timestamps left out, and compared with stock's. Each row's request is in the result.
@@ -25,8 +27,9 @@ from typing import Any
 
 from vtoken.bench.engine_run import log
 from vtoken.bench.report import Table
+from vtoken.config import SHIPPED_BUDGET
 
-SERVERS = ("stock", "off", "vtoken")
+SERVERS = ("stock", "off", "vtoken", "always")
 QUICK = {"model": "tiny-llama", "servers": "stock,off", "reasoning_parser": ""}
 TOOL_PARSER = "hermes"
 TOLERANCE = 1e-3  # log-probabilities of two servers running the same engine on the same request
@@ -47,6 +50,7 @@ def add_args(p) -> None:
     p.add_argument("--servers", default=",".join(SERVERS), help=f"any of {', '.join(SERVERS)}")
     p.add_argument("--kv-bytes", type=int, default=64 << 20, help="KV pool of every server")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--budget", type=float, default=SHIPPED_BUDGET, help="the always server's budget")
     p.add_argument(
         "--reasoning-parser", default="granite", help="vLLM's reasoning parser of the reasoning rows ('': none)"
     )
@@ -267,7 +271,9 @@ def _server(kind: str, args, reasoning: str) -> Iterator[str]:
             "name": f"bench-parity-{kind}",
             "model": args.model,
             "replicas": 1,
-            "vtoken": {"mode": "off"} if kind == "off" else {},
+            "vtoken": {"off": {"mode": "off"}, "vtoken": {}, "always": {"evict": "always", "budget": args.budget}}[
+                kind
+            ],
             "engine": {
                 **_engine(args),
                 "tool_call_parser": TOOL_PARSER,
@@ -325,7 +331,7 @@ def run(args) -> dict:
             got = answers[s][name]
             row[s] = _verdict(got, base)
         rows.append(row)
-    return {"model": args.model, "servers": servers, "tool_call_parser": TOOL_PARSER,
+    return {"model": args.model, "servers": servers, "tool_call_parser": TOOL_PARSER, "budget": args.budget,
             "reasoning_parser": args.reasoning_parser or None, "rows": rows, "answers": answers}  # fmt: skip
 
 
@@ -344,7 +350,8 @@ def _verdict(got: dict, base: dict | None) -> str:
 # ---------------------------------------------------------------------------------------------- report
 def tables(result: dict) -> list[Table]:
     servers = result["servers"]
-    names = {"stock": "stock `vllm serve`", "off": "`vtoken serve`, vToken off", "vtoken": "`vtoken serve`, defaults"}
+    names = {"stock": "stock `vllm serve`", "off": "`vtoken serve`, vToken off", "vtoken": "`vtoken serve`, defaults",
+             "always": f"`vtoken serve`, evict always at {result.get('budget', SHIPPED_BUDGET)}"}  # fmt: skip
     return [
         Table(
             f"What each server answers ({result['model']}; tool parser {result['tool_call_parser']}, reasoning parser "
