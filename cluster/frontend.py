@@ -64,7 +64,9 @@ def frontend(cfg: ServeConfig) -> Frontend:
     if e.enable_auto_tool_choice:
         argv.append("--enable-auto-tool-choice")
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    for key, value in engine_args(cfg).items():
+    from vtoken.vllm_adapter.engine import config_objects
+
+    for key, value in config_objects(engine_args(cfg)).items():
         if key == "kv_cache_memory_bytes":
             continue  # the replicas' pools; the gateway holds none
         if not hasattr(args, key):

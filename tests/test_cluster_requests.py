@@ -238,3 +238,22 @@ def test_a_generate_after_its_doors_answer_is_admitted_on_its_own_until_it_ends(
 
     seen, inflight, n, idle = asyncio.run(run())
     assert seen == [(1, 1)] and inflight == 0 and n == 0 and idle
+
+
+def test_engine_extra_config_dicts_and_the_reasoning_parser_reach_the_gateways_config_as_the_replicas():
+    """serve.yaml's engine.extra.structured_outputs_config is a dict; with a reasoning parser vLLM's engine args set
+    attributes on it (an AttributeError in the gateway and every replica, before); the gateway's config carries the
+    replicas' reasoning_config (thinking_token_budget was refused at the door)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from cluster.frontend import engine_args, frontend
+    from vtoken.vllm_adapter.engine import config_objects
+
+    cfg = parse_config({"model": "fake", "engine": {"kind": "fake", "reasoning_parser": "granite",
+                                                    "extra": {"structured_outputs_config": {"backend": "xgrammar"}}},
+                        "gateway": {"port": 0, "http_port": 0}})  # fmt: skip
+    vc = frontend(cfg).vllm_config
+    assert vc.structured_outputs_config.backend == "xgrammar"
+    assert vc.structured_outputs_config.reasoning_parser == "granite" == vc.reasoning_config.reasoning_parser
+    replica = AsyncEngineArgs(model="x", **config_objects(engine_args(cfg)))  # as make_async_llm builds it
+    assert replica.create_structured_outputs_config().reasoning_parser == "granite"
