@@ -255,5 +255,5 @@ def test_engine_extra_config_dicts_and_the_reasoning_parser_reach_the_gateways_c
     vc = frontend(cfg).vllm_config
     assert vc.structured_outputs_config.backend == "xgrammar"
     assert vc.structured_outputs_config.reasoning_parser == "granite" == vc.reasoning_config.reasoning_parser
-    replica = AsyncEngineArgs(model="x", **config_objects(engine_args(cfg)))  # as make_async_llm builds it
+    replica = AsyncEngineArgs(model=str(cfg.model_folder()), **config_objects(engine_args(cfg)))  # make_async_llm
     assert replica.create_structured_outputs_config().reasoning_parser == "granite"
