@@ -4,7 +4,8 @@
 same block accounting (a pool of blocks, requests that hold ``ceil(tokens / block_size)`` of them),
 so controller, placement and gateway tests run in seconds without vLLM (Ray Serve LLM style).
 
-Errors cross to the gateway as data, never as exceptions with tracebacks: a request the engine refuses is a
+Outputs cross to the gateway as ``Chunk``s (actors/wire.py: vLLM's RequestOutput, the fields the gateway's serving
+layer reads). Errors cross as data, never as exceptions with tracebacks: a request the engine refuses is a
 ``Chunk`` with ``code`` ``invalid_argument`` and the engine's one-line reason. An engine that can serve no more
 (its process died) raises ``EngineDead``; the replica turns that into ``unavailable`` and restarts the engine.
 """
@@ -18,77 +19,23 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from actors.prefix_tracker import PrefixTracker
 from actors.report import plain_pool, prefix_capacity
+from actors.wire import ABORTED, Chunk, GenerateSpec, Position, Seq, from_output, one_line  # noqa: F401 (re-exported)
 from vtoken.pool_report import PoolReport
 from vtoken.prefix_hash import prefix_hashes
-
-# Chunk.code values and what the client sees: the gateway maps them to gRPC status codes.
-ERROR_CODES = ("invalid_argument", "unavailable", "internal")
-
-
-class EngineDead(RuntimeError):
-    """The engine can serve no more requests (its process died); only a new engine helps."""
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """One request as it crosses from the gateway to a replica: token ids in, sampling as a plain dict of the
-    ``vllm.SamplingParams`` fields that differ from their neutral values (cluster/requests.py sampling_kwargs;
-    ``SamplingParams.from_optional(**sampling)`` rebuilds them), with ``extra_args`` = ``request_args(...)`` when
-    the request chose its own eviction options.
-    ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: dict[str, Any] = field(default_factory=dict)
-
-
-class TokenLogprob(NamedTuple):
-    """One sampled token's log-probability and, when asked for, the ``top`` alternatives at its position as
-    ``(token_id, token, logprob)``, most likely first. ``-inf`` is clamped to -9999.0 (JSON has no infinity)."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top: tuple[tuple[int, str, float], ...] = ()
-
-
-class Chunk(NamedTuple):
-    """A streamed delta; ``error`` and ``code`` (one of ERROR_CODES) are set, and nothing else, when the
-    request failed. ``error`` is one line meant for the client: no traceback, no internals. ``logprobs`` has
-    one entry per token in ``token_ids`` when the request asked for log-probabilities, else none."""
-
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    finished: bool = False
-    finish_reason: str = ""
-    error: str = ""
-    code: str = ""
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-    @classmethod
-    def failed(cls, code: str, message: str) -> Chunk:
-        if code not in ERROR_CODES:
-            raise ValueError(f"unknown error code {code!r}; known: {', '.join(ERROR_CODES)}")
-        return cls(error=one_line(message), code=code)
-
-
-def one_line(message: str, limit: int = 300) -> str:
-    lines = str(message).strip().splitlines()
-    text = lines[0] if lines else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 # What the client hears of a request the engine ended with finish reason "error" (vLLM's server: a 500).
 ENDED_WITH_ERROR = (
     "the engine could not serve this request (vToken failed while deciding for it; the replica's log says why); "
     "other requests were not affected"
 )
-# What vLLM's AsyncLLM yields last for a request aborted by ``AsyncLLM.abort`` (the fake does the same).
-ABORTED = Chunk(finished=True, finish_reason="abort")
+
+
+class EngineDead(RuntimeError):
+    """The engine can serve no more requests (its process died); only a new engine helps."""
 
 
 class Engine(ABC):
@@ -193,9 +140,10 @@ class FakeEngine(Engine):
         if self.dead:
             raise EngineDead("fake engine is dead")
         self.seen.append({"request_id": spec.request_id, **spec.sampling})
-        max_tokens = int(spec.sampling.get("max_tokens") or 16)
-        top = spec.sampling.get("logprobs")
-        need = math.ceil((len(spec.prompt_token_ids) + max_tokens) / self.block_size)
+        sampling = spec.sampling
+        max_tokens, n = int(sampling.get("max_tokens") or 16), int(sampling.get("n") or 1)
+        top, prompt_top = sampling.get("logprobs"), sampling.get("prompt_logprobs")
+        need = n * math.ceil((len(spec.prompt_token_ids) + max_tokens) / self.block_size)
         if need > self.total_blocks:
             yield Chunk.failed("invalid_argument", f"request needs {need} blocks, the pool has {self.total_blocks}")
             return
@@ -207,12 +155,15 @@ class FakeEngine(Engine):
                 self.waiting.discard(rid)
                 admitted = rid not in self.aborted
                 if admitted:
-                    self.held[rid], self.live[rid] = need, len(spec.prompt_token_ids)
-                    self.to_go[rid] = max_tokens
+                    self.held[rid], self.live[rid] = need, n * len(spec.prompt_token_ids)
+                    self.to_go[rid] = n * max_tokens
                     self._cache_prompt(list(spec.prompt_token_ids))
             if not admitted:
                 yield ABORTED
                 return
+            prompt_lps = None
+            if prompt_top is not None:
+                prompt_lps = (None,) + tuple(fake_position(t, prompt_top) for t in spec.prompt_token_ids[1:])
             for i in range(max_tokens):
                 await asyncio.sleep(self.delay)
                 if self.dead:
@@ -221,12 +172,13 @@ class FakeEngine(Engine):
                     await self._release(rid)  # the blocks are free before the caller hears of the abort
                     yield ABORTED
                     return
-                self.live[rid] += 1
-                self.to_go[rid] = max_tokens - i - 1
+                self.live[rid] += n
+                self.to_go[rid] = n * (max_tokens - i - 1)
                 last = i == max_tokens - 1
                 t = i % 97
-                lp = () if top is None else (fake_logprob(t, top),)
-                yield Chunk(f" t{t}", (t,), last, "length" if last else "", logprobs=lp)
+                lps = None if top is None else (fake_position(t, top),)
+                seqs = tuple(Seq(j, f" t{t}", (t,), lps, None, "length" if last else None) for j in range(n))
+                yield Chunk(seqs, last, prompt_lps if i == 0 else None, 0 if i == 0 else None)
         finally:
             await self._release(rid)
 
@@ -257,10 +209,11 @@ class FakeEngine(Engine):
                           reclaimed=int(held * self.reclaim_fraction))  # fmt: skip
 
 
-def fake_logprob(token_id: int, top: int) -> TokenLogprob:
-    """The fake engine's "log-probabilities": the sampled token first, then ``top - 1`` others, fixed values."""
-    alts = tuple((token_id + k, f" t{token_id + k}", -0.5 - k) for k in range(top))
-    return TokenLogprob(token_id, f" t{token_id}", -0.5, alts)
+def fake_position(token_id: int, top: int) -> Position:
+    """The fake engine's "log-probabilities" at one position, fixed values in vLLM's shape: the token itself (the most
+    likely, rank 1) first, then the next ``top - 1`` by rank (vLLM's top ``top`` with the sampled token among them)."""
+    alts = tuple((token_id + k, -0.5 - k, k + 1, f" t{token_id + k}") for k in range(1, top))
+    return ((token_id, -0.5, 1, f" t{token_id}"), *alts)
 
 
 class VLLMEngine(Engine):
@@ -300,11 +253,12 @@ class VLLMEngine(Engine):
         return bool(self.llm.errored)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
-        live = self.live[spec.request_id] = _Live(len(spec.prompt_token_ids),
-                                                  int(spec.sampling.get("max_tokens") or 16))  # fmt: skip
+        n = int(spec.sampling.get("n") or 1)
+        live = self.live[spec.request_id] = _Live(n * len(spec.prompt_token_ids),
+                                                  n * int(spec.sampling.get("max_tokens") or 16))  # fmt: skip
         try:
             async for chunk in self._generate(spec):
-                live.started, live.generated = True, live.generated + len(chunk.token_ids)
+                live.started, live.generated = True, live.generated + chunk.tokens
                 yield chunk
         finally:
             self.live.pop(spec.request_id, None)
@@ -319,17 +273,19 @@ class VLLMEngine(Engine):
         started = False
         try:
             params = SamplingParams.from_optional(**spec.sampling, output_kind=RequestOutputKind.DELTA)
+            kwargs = dict(spec.engine_kwargs)
             prompt = TokensPrompt(prompt_token_ids=list(spec.prompt_token_ids))
+            if kwargs.get("cache_salt"):  # the prompt's, as vLLM's renderer put it there (wire.GenerateSpec)
+                prompt["cache_salt"] = kwargs.pop("cache_salt")
             # AsyncLLM.generate aborts the request itself when this generator is closed or cancelled.
-            async for out in self.llm.generate(prompt, params, spec.request_id):
+            async for out in self.llm.generate(prompt, params, spec.request_id, **kwargs):
                 started = True
-                c = out.outputs[0]
-                if c.finish_reason == "error":  # the engine ended this request alone (vToken could not decide
-                    # for it; the replica's log has why): an error for this client, and the engine serves on
+                if any(c.finish_reason == "error" for c in out.outputs):  # the engine ended this request alone
+                    # (vToken could not decide for it; the replica's log has why): an error for this client, and
+                    # the engine serves on
                     yield Chunk.failed("internal", ENDED_WITH_ERROR)
                     return
-                lps = _logprobs(c.token_ids, c.logprobs, params.logprobs) if params.logprobs is not None else ()
-                yield Chunk(c.text, tuple(c.token_ids), out.finished, c.finish_reason or "", logprobs=lps)
+                yield from_output(out)
                 if out.finished:
                     return
         except EngineDeadError as e:
@@ -403,19 +359,6 @@ class _Live:
     max_tokens: int
     generated: int = 0
     started: bool = False
-
-
-def _logprobs(token_ids, logprobs, top: int) -> tuple[TokenLogprob, ...]:
-    """vLLM's per-position ``{token_id: Logprob}`` (the sampled token and the ``top`` most likely) as plain
-    tuples that cross Ray cheaply."""
-    out = []
-    for tid, position in zip(token_ids, logprobs or ()):
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-        alts = tuple((t, lp.decoded_token or "", max(lp.logprob, -9999.0)) for t, lp in ranked[:top])
-        sampled = position.get(tid)
-        value = max(sampled.logprob, -9999.0) if sampled is not None else -9999.0
-        out.append(TokenLogprob(int(tid), (sampled.decoded_token or "") if sampled else "", value, alts))
-    return tuple(out)
 
 
 ENGINES: dict[str, Callable[..., Engine]] = {"fake": FakeEngine, "vllm": VLLMEngine}

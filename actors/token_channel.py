@@ -3,8 +3,8 @@ object per chunk.
 
 Why: a Ray streaming generator makes every chunk a Ray object (serialised, reported to its owner, fetched by
 the gateway), about 4 ms of CPU per token on the 2-core machine where vLLM's own front end spends 0.6 ms
-(``scripts/serve_cpu_per_token.py``). Here a chunk is one msgpack frame on a ZeroMQ PUSH socket (pyzmq and
-msgpack come with vLLM, whose EngineCore talks to its front end the same way). Ray keeps the control: the
+(``scripts/serve_cpu_per_token.py``). Here a chunk (actors/wire.py) is one msgpack frame on a ZeroMQ PUSH socket
+(pyzmq and msgpack come with vLLM, whose EngineCore talks to its front end the same way). Ray keeps the control: the
 gateway starts a request with an ordinary actor call (``Replica.generate_to``), cancels it with
 ``ray.cancel``, and learns of a dead replica from that call's result.
 
@@ -23,11 +23,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from actors.engines import Chunk, TokenLogprob
+from actors.wire import Chunk, pack, unpack
 
 log = logging.getLogger("vtoken.token_channel")
 SEND_TIMEOUT_S = 30.0  # a gateway that takes no frame for this long is gone: the replica aborts the request
@@ -35,13 +34,11 @@ ARRIVAL_GRACE_S = 10.0  # after generate_to returned, the longest wait for its l
 
 
 def encode(rid: str, chunk: Chunk) -> list[bytes]:
-    return [rid.encode(), msgpack.packb(tuple(chunk), use_bin_type=True)]
+    return [rid.encode(), pack(chunk)]
 
 
 def decode(payload: bytes) -> Chunk:
-    text, ids, finished, reason, error, code, lps = msgpack.unpackb(payload, raw=False)
-    logprobs = tuple(TokenLogprob(t, s, lp, tuple(map(tuple, top))) for t, s, lp, top in lps)
-    return Chunk(text, tuple(ids), finished, reason, error, code, logprobs)
+    return unpack(payload)
 
 
 def is_loopback(address: str) -> bool:

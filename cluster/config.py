@@ -21,6 +21,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+FAKE_MODEL = "tiny-llama"  # what a fake deployment that names no model renders with at the gateway
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,7 +45,25 @@ class EngineConfig(_Strict):
         description="no CUDA graphs (as the CPU recipes run). On CUDA false keeps vLLM's CUDA graphs: vToken's moves "
         "run outside every graph, piecewise graphs when a policy scores every step (configs/serve-gpu.yaml)",
     )
-    extra: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine argument")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="any other vLLM engine argument (the replicas' engines and the gateway's config take them alike: "
+        "max_logprobs, generation_config, structured_outputs_config, ...)",
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's tool parser for this model (vllm serve --tool-call-parser: hermes, llama3_json, "
+        "pythonic, ...): tool calls in chat and Responses answers. tool_choice required or a named tool works "
+        "without one (vLLM constrains the answer to the tools' JSON schema)",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="tool_choice auto (vllm serve --enable-auto-tool-choice; needs tool_call_parser)"
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="vLLM's reasoning parser for this model (vllm serve --reasoning-parser: deepseek_r1, qwen3, ...): "
+        "the answer's reasoning apart from its content; the replicas' grammars wait for the end of reasoning by it",
+    )
     fake_total_blocks: int = Field(64, gt=0, description="fake engine only: blocks in the pool")
     fake_token_delay_s: float = Field(0.01, ge=0, description="fake engine only: seconds per token")
     fake_start_s: float = Field(
@@ -51,6 +72,20 @@ class EngineConfig(_Strict):
     fake_reclaim_fraction: float = Field(
         0.0, ge=0, le=1, description="fake engine only: share of held blocks it reports as reclaimed (metrics tests)"
     )
+
+    @model_validator(mode="after")
+    def _parsers(self):
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (as vllm serve)")
+        if self.tool_call_parser is not None:
+            from vllm.tool_parsers import ToolParserManager
+
+            _known("tool_call_parser", self.tool_call_parser, ToolParserManager.list_registered())
+        if self.reasoning_parser is not None:
+            from vllm.reasoning import ReasoningParserManager
+
+            _known("reasoning_parser", self.reasoning_parser, ReasoningParserManager.list_registered())
+        return self
 
     @field_validator("extra")
     @classmethod
@@ -61,6 +96,11 @@ class EngineConfig(_Strict):
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by vToken, not in a serving config")
         return v
+
+
+def _known(name: str, value: str, known) -> None:
+    if value not in known:
+        raise ValueError(f"{name}: {value!r} is not one of vLLM's: {', '.join(sorted(known))}")
 
 
 class ReplicaConfig(_Strict):
@@ -167,26 +207,33 @@ class GatewayConfig(_Strict):
         description="environment variable holding a bearer token that "
         "every call must carry (authorization: Bearer <token>)",
     )
-    max_request_bytes: int = Field(1 << 20, gt=0, description="larger requests get RESOURCE_EXHAUSTED")
-    max_prompt_chars: int = Field(65536, gt=0, description="longer prompts get INVALID_ARGUMENT before tokenizing")
+    max_request_bytes: int = Field(
+        1 << 20, gt=0, description="larger requests get RESOURCE_EXHAUSTED (HTTP 413): what bounds a prompt's size"
+    )
     max_inflight: int = Field(
-        256, gt=0, description="requests admitted at once (running + queued); beyond, RESOURCE_EXHAUSTED"
+        256,
+        gt=0,
+        description="requests admitted at once over both doors, from their rendering to their end (running + "
+        "queued); beyond, RESOURCE_EXHAUSTED (HTTP 429)",
     )
     parse_workers: int = Field(
         2,
         ge=1,
         le=64,
-        description="threads that render chat templates and tokenize, off the gateway's event loop "
-        "(cluster/parsing.py)",
+        description="threads that render chat templates and tokenize, off the gateway's event loop (vLLM's "
+        "renderer_num_workers)",
     )
-    parse_timeout_s: float = Field(
+    responses_store: bool = Field(
+        False,
+        description="the Responses API's store (store, GET /v1/responses/{id}, previous_response_id), in the "
+        "gateway's memory, unbounded and lost when the gateway restarts, as vLLM's (VLLM_ENABLE_RESPONSES_API_STORE); "
+        "off: a stored response is not kept, as in vllm serve",
+    )
+    render_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="longest a request's rendering and tokenizing may take (beyond, HTTP 413 / RESOURCE_EXHAUSTED), "
-        "or wait for a worker (beyond, HTTP 503 / UNAVAILABLE)",
-    )
-    max_parse_pending: int = Field(
-        256, ge=0, description="requests waiting for a parse worker at once; beyond, HTTP 503 / UNAVAILABLE"
+        description="longest a request's chat template may render (beyond, HTTP 413 / RESOURCE_EXHAUSTED; the stuck "
+        "thread is replaced); sets vLLM's VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT in the gateway",
     )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
@@ -310,24 +357,19 @@ class ServeConfig(_Strict):
         return self
 
     @property
-    def max_logprobs(self) -> int:
-        """vLLM's max_logprobs for this deployment (engine.extra, else vLLM's default of 20)."""
-        return int(self.engine.extra.get("max_logprobs", 20))
-
-    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def model_folder(self) -> str | None:
-        """The model's folder, whose tokenizer the gateway loads. The fake engine has none unless ``model`` names a
-        model folder or a prepared model (then its tokenizer renders and tokenizes at the gateway, as for vLLM:
-        the door tests and the fuzz run real templates against a fake engine)."""
+    def model_folder(self) -> str:
+        """The model's folder, whose config, tokenizer and chat template vLLM's serving layer loads at the gateway. A
+        fake engine renders with the model ``model`` names (a folder or a prepared model), else with tiny-llama's
+        (SmolLM2's tokenizer and template): the doors are vLLM's whatever the engine."""
         if Path(self.model).is_dir():
             return self.model
         from vtoken.models import MODELS, model_path
 
         if self.engine.kind == "fake" and self.model not in MODELS:
-            return None
+            return str(model_path(FAKE_MODEL))
         return str(model_path(self.model))
 
 
@@ -390,17 +432,17 @@ def _numbers(v: Any, path: str):
 
 def preflight(cfg: ServeConfig, local: bool = True) -> None:
     """What can only be checked where and when the deployment starts, before anything is started: the auth
-    token's variable is set; on a local deployment, a named model is prepared. Raises ConfigError (one line)."""
+    token's variable is set; the model the gateway renders with (cfg.model_folder()) is prepared here. Raises
+    ConfigError (one line)."""
     env = cfg.gateway.auth_token_env
     if env and not os.environ.get(env):
         raise ConfigError(
             f"gateway.auth_token_env: the environment variable {env} is not set; export {env}=<token> "
             "or set gateway.auth_token_env: null"
         )
-    if local and cfg.engine.kind == "vllm" and not Path(cfg.model).is_dir():
-        from vtoken.models import ModelPrepareError, model_path
+    from vtoken.models import ModelPrepareError
 
-        try:
-            model_path(cfg.model)
-        except ModelPrepareError as e:
-            raise ConfigError(f"model: {e}") from None
+    try:  # the gateway renders with the model's tokenizer and template, whatever the engine and wherever replicas run
+        cfg.model_folder()
+    except ModelPrepareError as e:
+        raise ConfigError(f"model: {e}") from None

@@ -1,12 +1,14 @@
 """The request path both front doors share, gRPC (cluster/gateway.py) and OpenAI-compatible HTTP
 (cluster/http_gateway.py): admission, placement by the controller, the stream from a replica, retries,
-aborts, and the per-request metrics. A door validates its own wire format into a ``ValidRequest``, iterates
-``Dispatcher.stream`` and maps a ``Refused``'s code to its own status; so a request is admitted, placed,
-retried, aborted and counted the same way whichever door it came in by.
+aborts, and the per-request metrics. A door admits a request (``admit``), vLLM's serving layer renders it and the
+remote engine client (cluster/remote_engine.py) turns it into a ``ValidRequest``, iterates ``Dispatcher.stream``
+and maps a ``Refused``'s code to vLLM's errors; so a request is admitted, placed, retried, aborted and counted the
+same way whichever door it came in by.
 
-A request's path: admission (bounded: ``max_inflight`` over both doors, else resource_exhausted) -> placement
-by the controller -> the replica's chunks, through the token channel (actors/token_channel.py; a Ray
-streaming call with ``gateway.token_channel: ray``). A replica that dies before the first token: the
+A request's path: admission at the door (bounded: ``max_inflight`` over both doors, else resource_exhausted; the
+bound covers rendering too) -> placement by the controller (``n`` x the request's peak blocks) -> the replica's
+chunks, through the token channel (actors/token_channel.py; a Ray streaming call with
+``gateway.token_channel: ray``). A replica that dies before the first token: the
 request is placed again elsewhere (``max_attempts``); after it: unavailable. A deadline, or a client that goes
 away (the door stops iterating), aborts the request in the engine at once, so its blocks are free again.
 """
@@ -21,8 +23,8 @@ from typing import Any, NamedTuple
 
 import ray
 
-from actors.engines import Chunk, GenerateSpec
 from actors.token_channel import ChannelStream, TokenChannel, Unreachable
+from actors.wire import Chunk, GenerateSpec
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
 from cluster.requests import ValidRequest
@@ -72,8 +74,8 @@ class Delta(NamedTuple):
 
 class Dispatcher:
     """Invariants: ``inflight`` counts the requests of both doors between admission and their end; every
-    request that ends, however (done, refused, failed, client gone), releases its promise in the controller
-    and is counted once in ``metrics`` under its door and outcome."""
+    request that reached ``stream`` and ends, however (done, refused, failed, client gone), releases its promise in
+    the controller and is counted once in ``metrics`` under its door and outcome."""
 
     def __init__(self, cfg: ServeConfig, controller: Any, metrics: Metrics | None = None):
         self.cfg, self.g, self.controller = cfg, cfg.gateway, controller
@@ -84,6 +86,22 @@ class Dispatcher:
         self.channel = TokenChannel(host or "127.0.0.1") if self.g.token_channel == "zmq" else None
         self._remote: set[str] = set()  # replicas that cannot reach the channel: Ray streams for them
 
+    @contextlib.contextmanager
+    def admit(self, door: str):
+        """One request admitted at ``door`` for as long as the block runs (rendering, placement, streaming);
+        Refused("resource_exhausted") when ``max_inflight`` requests of both doors are in already."""
+        if self.inflight >= self.g.max_inflight:
+            self.metrics.refused(door, "resource_exhausted")
+            raise Refused(
+                "resource_exhausted",
+                f"server busy: {self.inflight} requests in flight (limit {self.g.max_inflight}); retry later",
+            )
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
     def _open(self, name: str, replica: Any, spec: GenerateSpec):
         """The request's chunks from ``replica``: through the token channel, or a Ray stream."""
         if self.channel is None or name in self._remote:
@@ -93,14 +111,8 @@ class Dispatcher:
     async def stream(self, req: ValidRequest, rid: str, door: str) -> AsyncIterator[Delta]:
         """The request's chunks as the replica streams them. ``rid`` is the gateway's own id for it: the
         engine, the replica and the controller know the request by this id only (clients may reuse theirs).
-        Raises Refused; a door that stops iterating (its client went away) aborts the request."""
-        if self.inflight >= self.g.max_inflight:
-            self.metrics.refused(door, "resource_exhausted")
-            raise Refused(
-                "resource_exhausted",
-                f"server busy: {self.inflight} requests in flight (limit {self.g.max_inflight}); retry later",
-            )
-        self.inflight += 1
+        Raises Refused; a door that stops iterating (its client went away) aborts the request. The door admitted
+        it (``admit``)."""
         timer = self.metrics.timer(door, len(req.prompt_token_ids))
         outcome = "cancelled"
         try:
@@ -117,7 +129,6 @@ class Dispatcher:
             log.exception("request %s (client id %r) failed", rid, req.request_id)
             raise Refused("internal", internal_message(req.request_id, rid)) from None
         finally:
-            self.inflight -= 1
             self._tell("finished", rid)  # release the promise whatever happened
             timer.done(outcome)
 
@@ -136,12 +147,12 @@ class Dispatcher:
         bs = self.cfg.engine.block_size
         bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict, bs if v.interval == "block" else
                    v.interval) if evicting else ()  # fmt: skip
-        need = peak_blocks(len(req.prompt_token_ids), req.max_tokens, bs, *bounded)
-        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling())
+        need = req.n * peak_blocks(len(req.prompt_token_ids), req.max_tokens, bs, *bounded)
+        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling(), req.engine_kwargs)
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
-            placed, why = await self._place(rid, need, tried, deadline, len(req.prompt_token_ids) + req.max_tokens,
-                                            req.prefix_hashes)  # fmt: skip
+            work = req.n * (len(req.prompt_token_ids) + req.max_tokens)
+            placed, why = await self._place(rid, need, tried, deadline, work, req.prefix_hashes)
             if placed is None:
                 raise Refused("unavailable", f"no replica: {why}; retry the request")
             name, replica = placed
@@ -166,7 +177,7 @@ class Dispatcher:
                         stream.close()
                         stream = self._open(name, replica, spec)
                         continue
-                    if chunk is None or chunk.error or chunk.finish_reason == "abort":
+                    if chunk is None or chunk.error or chunk.aborted:
                         done = True  # the server ended it (failure, drain, engine restart), not the client
                         code, why = failure(chunk, name)
                         if code == "unavailable" and not streamed:
@@ -229,7 +240,7 @@ def failure(chunk: Chunk | None, replica: str) -> tuple[str, str]:
     """How a stream ends for the client when the server ended it: a failed request's code and one-line
     reason; a request the replica aborted (vLLM's finish_reason "abort", or a stream that stopped before its
     finished chunk) is unavailable: never a success, the client did not ask for it."""
-    if chunk is None or (chunk.finish_reason == "abort" and not chunk.error):
+    if chunk is None or (chunk.aborted and not chunk.error):
         return "unavailable", f"the request was aborted by replica {replica}"
     return (chunk.code if chunk.code in CODES else "internal"), chunk.error
 

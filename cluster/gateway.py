@@ -3,15 +3,16 @@ for routers), plus the standard health service and server reflection (so `grpcur
 `vtoken serve` process on asyncio, next to the HTTP door (cluster/http_gateway.py); both send every request
 down the same path (cluster/dispatch.py): admission, placement, the replica's stream, retries and aborts.
 
-Generate's statuses: bad input INVALID_ARGUMENT (vLLM's own validation included), over ``max_inflight`` or a parse
-over ``parse_timeout_s`` RESOURCE_EXHAUSTED, no parse worker free, no replica, or a replica lost mid-stream
-UNAVAILABLE, deadline DEADLINE_EXCEEDED, anything unexpected INTERNAL with the request id (the traceback in the
-server log). Parsing runs off the event loop (cluster/parsing.py).
+Generate's statuses: bad input INVALID_ARGUMENT (vLLM's own validation included), over ``max_inflight``
+RESOURCE_EXHAUSTED, no replica or a replica lost mid-stream UNAVAILABLE, deadline DEADLINE_EXCEEDED, anything
+unexpected INTERNAL with the request id (the traceback in the server log). vLLM's serving classes render the request,
+as for HTTP (cluster/grpc_requests.py), with vLLM's renderer (its tokenizer off the event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -30,10 +31,10 @@ from cluster.auth import auth_token, bearer_ok
 from cluster.capacity import CapacityFeed
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, failure, internal_message  # noqa: F401 (re-exported)
-from cluster.grpc_requests import parse, validate
-from cluster.parsing import ParseBusy, ParsePool, ParseTooLong
+from cluster.frontend import Served
+from cluster.grpc_requests import parse, render
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import BadRequest, Tokenizer
+from cluster.requests import CONTEXT, BadRequest, render_too_long
 from cluster.status import to_proto
 
 log = logging.getLogger("vtoken.gateway")
@@ -43,17 +44,12 @@ DOOR = "grpc"
 
 
 class Gateway:
-    def __init__(
-        self,
-        cfg: ServeConfig,
-        controller: Any,
-        tokenizer: Tokenizer,
-        dispatcher: Dispatcher | None = None,
-        parser: ParsePool | None = None,
-    ):
-        self.cfg, self.g, self.controller, self.tok = cfg, cfg.gateway, controller, tokenizer
-        self.dispatcher = dispatcher or Dispatcher(cfg, controller)
-        self.parser = parser or parse_pool(cfg)  # rendering and tokenizing, off this event loop
+    def __init__(self, cfg: ServeConfig, controller: Any, dispatcher: Dispatcher, served: Served | None):
+        """``served``: vLLM's app over the replicas (cluster/frontend.py), whose serving classes render Generate's
+        requests; None serves only the control RPCs (tests of the server's start)."""
+        self.cfg, self.g, self.controller, self.dispatcher = cfg, cfg.gateway, controller, dispatcher
+        self.state = served.app.state if served is not None else None
+        self.engine = served.engine if served is not None else None
         self.capacity = CapacityFeed(controller)
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -155,60 +151,83 @@ class Gateway:
             )
 
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
+        """vLLM's serving classes render the request (cluster/grpc_requests.py), the remote engine client streams it
+        (the same path as HTTP's); each step's new text, token ids and log-probabilities are one response."""
         try:
-            req = await self.parser.run(
-                lambda: validate(
-                    parse(raw),
-                    self.tok,
-                    self.cfg.engine.max_model_len,
-                    self.g.max_prompt_chars,
-                    self.cfg.vtoken,
-                    self.cfg.max_logprobs,
-                    self.cfg.engine.block_size,
-                )  # fmt: skip
-            )
+            msg = parse(raw)
+            with self.dispatcher.admit(DOOR):
+                req = await render(msg, self.state, self.cfg.model_name, self.cfg.vtoken)
+                ctx = req.context
+                remaining = context.time_remaining()
+                if remaining is not None and (ctx.deadline_s is None or remaining < ctx.deadline_s):
+                    ctx = ctx._replace(deadline_s=remaining)
+                n_prompt = len(req.prompt["prompt_token_ids"])
+                # For the whole iteration: the engine client's generator reads it as it runs, in this task.
+                CONTEXT.set(ctx)
+                outputs = self.engine.generate(req.prompt, req.params, uuid.uuid4().hex)
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        c = out.outputs[0]
+                        yield pb.GenerateResponse(
+                            request_id=ctx.client_id,
+                            replica=ctx.seen.get("replica", ""),
+                            text=c.text,
+                            token_ids=c.token_ids,
+                            finished=out.finished,
+                            finish_reason=c.finish_reason or "",
+                            prompt_tokens=n_prompt,
+                            logprobs=_logprobs(c.token_ids, c.logprobs, req.params.logprobs),
+                        )
         except BadRequest as e:
             self.dispatcher.metrics.refused(DOOR, "invalid_argument")
             await context.abort(Code.INVALID_ARGUMENT, str(e))
-        except ParseTooLong as e:
-            self.dispatcher.metrics.refused(DOOR, "resource_exhausted")
-            await context.abort(Code.RESOURCE_EXHAUSTED, str(e))
-        except ParseBusy as e:
-            self.dispatcher.metrics.refused(DOOR, "unavailable")
-            await context.abort(Code.UNAVAILABLE, str(e))
-        remaining = context.time_remaining()
-        if remaining is not None and (req.deadline_s is None or remaining < req.deadline_s):
-            req = req.model_copy(update={"deadline_s": remaining})
-        rid = uuid.uuid4().hex
-        try:
-            async for d in self.dispatcher.stream(req, rid, DOOR):
-                c = d.chunk
-                yield pb.GenerateResponse(
-                    request_id=req.request_id,
-                    replica=d.replica,
-                    text=c.text,
-                    token_ids=c.token_ids,
-                    finished=c.finished,
-                    finish_reason=c.finish_reason,
-                    prompt_tokens=len(req.prompt_token_ids),
-                    logprobs=[_logprob(lp) for lp in c.logprobs],
-                )
-        except Refused as e:
+        except Refused as e:  # admission
             await context.abort(Code[e.code.upper()], e.message)
         except asyncio.CancelledError:  # the client cancelled or went away: its fault-free end, one INFO line
-            log.info("request %s: the gRPC client went away; aborted", rid)
+            log.info("gRPC request: the client went away; aborted")
             raise
+        except Exception as e:  # the remote engine client's vLLM errors: the dispatcher's code where it refused
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            code, message = _status(render_too_long(e) or e)
+            if code == Code.INVALID_ARGUMENT:
+                self.dispatcher.metrics.refused(DOOR, "invalid_argument")
+            await context.abort(code, message)
 
 
-def _logprob(lp) -> pb.TokenLogprob:
-    top = [pb.TopLogprob(token_id=t, token=tok, logprob=v) for t, tok, v in lp.top]
-    return pb.TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top)
+def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """A failure of vLLM's serving layer or of the dispatcher as a gRPC status and one line; our own faults are
+    logged with an id the client sees."""
+    from vllm.entrypoints.serve import create_error_response
+
+    if isinstance(e.__cause__, Refused):
+        return Code[e.__cause__.code.upper()], e.__cause__.message
+    err = create_error_response(e).error
+    if err.code >= 500:
+        rid = uuid.uuid4().hex
+        log.error("gRPC request failed (server id %s)", rid, exc_info=e)
+        return Code.INTERNAL, internal_message("", rid)
+    return GRPC_CODE.get(err.code, Code.INVALID_ARGUMENT), err.message.splitlines()[0]
 
 
-def parse_pool(cfg: ServeConfig) -> ParsePool:
-    """The parse workers both doors share (cluster/parsing.py), sized by the gateway's config."""
-    g = cfg.gateway
-    return ParsePool(g.parse_workers, g.parse_timeout_s, g.max_parse_pending)
+GRPC_CODE = {400: Code.INVALID_ARGUMENT, 404: Code.NOT_FOUND, 413: Code.RESOURCE_EXHAUSTED, 422: Code.INVALID_ARGUMENT,
+             429: Code.RESOURCE_EXHAUSTED, 503: Code.UNAVAILABLE, 504: Code.DEADLINE_EXCEEDED}  # fmt: skip
+
+
+def _logprobs(token_ids, logprobs, top: int | None) -> list[pb.TokenLogprob]:
+    """vLLM's per-position ``{token_id: Logprob}`` (the sampled token, then the ``top`` most likely by rank) as the
+    protobuf's; ``-inf`` clamped to -9999.0 as vLLM's serving layer clamps it for JSON."""
+    if top is None or not logprobs:
+        return []
+    out = []
+    for tid, position in zip(token_ids, logprobs):
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        alts = [pb.TopLogprob(token_id=t, token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0))
+                for t, lp in ranked[:top]]  # fmt: skip
+        sampled = position.get(tid)
+        token, value = ((sampled.decoded_token or ""), max(sampled.logprob, -9999.0)) if sampled else ("", -9999.0)
+        out.append(pb.TokenLogprob(token_id=tid, token=token, logprob=value, top=alts))
+    return out
 
 
 class PortInUse(ValueError):

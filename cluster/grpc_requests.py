@@ -1,13 +1,15 @@
-"""The gRPC door's requests: protobuf bytes -> ``GenerateRequest`` -> OpenAI's JSON shape -> the shared request
-model (cluster/requests.py), so a gRPC request is checked by exactly the code that checks an HTTP one: vLLM's
-protocol models, vLLM's SamplingParams, the same roles, prompt limits and eviction options, the same messages.
+"""The gRPC door's requests: protobuf bytes -> ``GenerateRequest`` -> OpenAI's JSON shape -> vLLM's own protocol model
+and serving class, so a gRPC request is checked and rendered by exactly the code that serves an HTTP one (vLLM's
+``CompletionRequest`` or ``ChatCompletionRequest``, the chat template through the same ``OnlineRenderer``, vLLM's
+``SamplingParams`` with the model's generation defaults), then streamed by the same remote engine client.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from typing import Any
+import warnings
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.json_format import MessageToDict
@@ -15,8 +17,16 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import BadRequest, Limits, ValidRequest, chat, completion, vtoken_options
-from vtoken.prefix_hash import prefix_hashes
+from cluster.requests import BadRequest, RequestContext, vtoken_options
+
+
+class Rendered(NamedTuple):
+    """A gRPC request as vLLM's serving layer renders it: ``prompt`` the engine input (token ids), ``params`` vLLM's
+    ``SamplingParams`` (DELTA: the door streams what each step adds), ``context`` what the door knows beside them."""
+
+    prompt: Any
+    params: Any
+    context: RequestContext
 
 
 def parse(raw: bytes) -> pb.GenerateRequest:
@@ -83,38 +93,68 @@ def sampling_fields(s: pb.SamplingParams) -> dict[str, Any]:
     return out
 
 
-def validate(
-    msg: pb.GenerateRequest,
-    tokenizer,
-    max_model_len: int,
-    max_prompt_chars: int,
-    served_vtoken: dict[str, Any] | None = None,
-    max_logprobs: int = 20,
-    block_size: int = 0,
-) -> ValidRequest:
-    """The request checked, its prompt rendered and tokenized; with ``block_size``, its prompt's block hashes."""
+async def render(msg: pb.GenerateRequest, state: Any, model_name: str, served_vtoken: dict[str, Any]) -> Rendered:
+    """The request checked and rendered by vLLM's serving classes in ``state`` (vLLM's app state); BadRequest for
+    anything they refuse, with their message."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind
+
     rid = msg.request_id or uuid.uuid4().hex
     if len(rid) > 128 or not rid.isprintable():
         raise BadRequest("request_id must be printable and at most 128 characters", "request_id")
     if msg.deadline_ms < 0:
         raise BadRequest("deadline_ms must be >= 0", "deadline_ms")
-    body = sampling_fields(msg.sampling)
-    limits = Limits(max_model_len, max_prompt_chars, max_logprobs)
+    body = {**sampling_fields(msg.sampling), "model": model_name}
     which = msg.WhichOneof("input")
     if which == "prompt":
-        parsed = completion({**body, "prompt": msg.prompt}, tokenizer, limits)
+        cls, serving, body["prompt"] = CompletionRequest, state.openai_serving_completion, msg.prompt
     elif which == "messages":
-        messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
-        parsed = chat({**body, "messages": messages}, tokenizer, limits)
+        cls, serving = ChatCompletionRequest, state.openai_serving_chat
+        body["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
     else:
         raise BadRequest("set either prompt or messages")
-    eviction = vtoken_options(options_from_proto(msg.vtoken), served_vtoken or {"mode": "vtoken"})
+    eviction = vtoken_options(options_from_proto(msg.vtoken), served_vtoken)
+    try:
+        with warnings.catch_warnings():  # max_tokens is deprecated in vLLM's chat model, not in OpenAI's API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            request = cls.model_validate(body)
+        if which == "prompt":
+            result = await serving.render_completion_request(request)
+        else:
+            result = await serving.render_chat_request(request)
+        if isinstance(result, ErrorResponse):
+            raise BadRequest(result.error.message, result.error.param)
+        inputs = result if which == "prompt" else result[1]
+        (prompt,) = inputs
+        max_tokens = get_max_tokens(
+            serving.model_config.max_model_len,
+            request.max_tokens,
+            len(prompt["prompt_token_ids"]),
+            serving.default_sampling_params,
+            serving.override_max_tokens,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
+        params = request.to_sampling_params(max_tokens, serving.default_sampling_params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or _is_field(p))
+        text = err["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"{loc}: {text}" if loc else text, loc or None) from None
+    except (VLLMClientError, ValueError, TypeError, OverflowError) as e:
+        param = getattr(e, "parameter", None)
+        text = str(e.args[0] if e.args else e).splitlines()[0]
+        raise BadRequest(f"{param}: {text}" if param and not text.startswith(param) else text, param) from None
+    params.output_kind = RequestOutputKind.DELTA
     deadline = msg.deadline_ms / 1000 if msg.deadline_ms > 0 else None
-    return ValidRequest(
-        request_id=rid,
-        prompt_token_ids=parsed.prompt_token_ids,
-        sampling=parsed.sampling,
-        deadline_s=deadline,
-        eviction=eviction,
-        prefix_hashes=prefix_hashes(parsed.prompt_token_ids, block_size) if block_size else (),
-    )
+    ctx = RequestContext(door="grpc", eviction=eviction, deadline_s=deadline, client_id=rid, seen={})
+    return Rendered(prompt, params, ctx)
+
+
+def _is_field(part: Any) -> bool:
+    """A loc part that names a field, not a union branch pydantic tried (``str``, ``ChatCompletion...``)."""
+    return isinstance(part, str) and part.isidentifier() and part.islower() and part not in {"str", "int", "list"}

@@ -35,6 +35,7 @@ from actors.engines import EngineFactory
 from actors.replica import Replica
 from actors.report import ReplicaReport, unreported
 from cluster.config import ServeConfig
+from cluster.frontend import engine_args
 from cluster.replica_status import ReplicaStatus, check_transition
 
 log = logging.getLogger("vtoken.controller")
@@ -73,17 +74,8 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
                 "reclaim_fraction": e.fake_reclaim_fraction,
             },
         )
-    args = {
-        "dtype": e.dtype,
-        "block_size": e.block_size,
-        "max_model_len": e.max_model_len,
-        "enforce_eager": e.enforce_eager,
-        "seed": 0,
-        **e.extra,
-    }
-    if e.kv_cache_memory_bytes:
-        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
-    return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": args})
+    # The same arguments build the gateway's config (cluster/frontend.py): what it validates is what replicas run.
+    return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": engine_args(cfg)})
 
 
 def start_error(e: BaseException) -> str:

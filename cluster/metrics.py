@@ -23,7 +23,7 @@ from vllm.v1.metrics.buckets import INTER_TOKEN_LATENCY_BUCKETS as ITL_BUCKETS
 from vllm.v1.metrics.buckets import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS
 from vllm.v1.metrics.buckets import TIME_TO_FIRST_TOKEN_BUCKETS as TTFT_BUCKETS
 
-from actors.engines import Chunk
+from actors.wire import Chunk
 from cluster.snapshot import ClusterSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -88,7 +88,7 @@ class RequestTimer:
         m.inflight.inc()
 
     def chunk(self, replica: str, chunk: Chunk) -> None:
-        now, n, labels = time.monotonic(), len(chunk.token_ids), (self.m.model, replica)
+        now, n, labels = time.monotonic(), chunk.tokens, (self.m.model, replica)
         self.replica = replica
         if n:
             if self.last is None:
@@ -98,7 +98,7 @@ class RequestTimer:
                 self.m.itl.labels(*labels).observe(now - self.last)
             self.last = now
             self.m.generation_tokens.labels(*labels).inc(n)
-        if chunk.finished:
+        if chunk.finish_reason:  # n > 1: the last sequence to finish names the request's reason
             self.finish = chunk.finish_reason
 
     def done(self, outcome: str) -> None:

@@ -23,10 +23,10 @@ from actors.report import ReplicaReport
 from cluster.config import ServeConfig, preflight
 from cluster.controller import Controller
 from cluster.dispatch import Dispatcher
-from cluster.gateway import Gateway, check_port, parse_pool
+from cluster.frontend import serving_app
+from cluster.gateway import Gateway, check_port
 from cluster.metrics import Metrics
 from cluster.ray_connect import RayUnavailable, connect  # noqa: F401 (RayUnavailable: re-exported)
-from cluster.requests import Tokenizer
 
 log = logging.getLogger("vtoken.server")
 
@@ -70,22 +70,22 @@ async def serving(
     ctl = start_controller(cfg, local)
     gateway = http = None
     try:
-        # The HTTP door imports vLLM's protocol models (~10 s): while the replicas start, not after.
-        http_module = _import_http() if cfg.gateway.http_enabled else None
+        # vLLM's serving layer (both doors render with it) imports for ~10 s: while the replicas start, not after.
+        doors_module = _import_doors()
         healthy = await _start_replicas(ctl, start_timeout_s, progress)
         if healthy < cfg.replicas:
             raise RuntimeError(f"only {healthy} of {cfg.replicas} replicas started in {start_timeout_s:g} s")
         # One import of transformers at a time: its lazy modules (and accelerate's) are not safe to import from
-        # two threads at once, and the HTTP door's import reaches them through vLLM ("cannot import name
-        # 'AutoTokenizer' ... partially initialized module", seen when the replicas started faster than it).
-        http_module = await http_module if http_module is not None else None
-        tokenizer = await asyncio.to_thread(Tokenizer, cfg.model_folder())
+        # two threads at once, and vLLM's serving layer reaches them ("cannot import name 'AutoTokenizer' ...
+        # partially initialized module", seen when the replicas started faster than the import). So the gateway's
+        # config and tokenizer load after the import.
+        http_module = await doors_module
         dispatcher = Dispatcher(cfg, ctl, Metrics(cfg.model_name))
-        parser = parse_pool(cfg)  # one set of parse workers for both doors
-        gateway = Gateway(cfg, ctl, tokenizer, dispatcher, parser)
+        app = await serving_app(cfg, dispatcher)
+        gateway = Gateway(cfg, ctl, dispatcher, app)
         served = Served(await gateway.start(), ctl, gateway)
-        if http_module is not None:
-            http = http_module.HttpGateway(cfg, ctl, tokenizer, dispatcher, parser)
+        if cfg.gateway.http_enabled:
+            http = http_module.HttpGateway(cfg, ctl, dispatcher, app)
             served.http, served.http_port = http, await http.start()
         log.info(
             "vtoken serving %s on %s:%d (gRPC), HTTP %s, with %d replicas",
@@ -101,7 +101,8 @@ async def serving(
             await http.stop()
         if gateway is not None:
             await gateway.stop()
-            gateway.parser.close()
+            if gateway.engine is not None:
+                gateway.engine.shutdown()
             if gateway.dispatcher.channel is not None:
                 await gateway.dispatcher.channel.aclose()
         try:
@@ -188,8 +189,9 @@ def kill_replicas(cfg: ServeConfig, why: str) -> int:
     return killed
 
 
-def _import_http() -> asyncio.Future:
-    """cluster.http_gateway, imported in a daemon thread: a Ctrl-C during start-up then exits at once instead of
+def _import_doors() -> asyncio.Future:
+    """cluster.http_gateway (and vLLM's serving layer under it), imported in a daemon thread: a Ctrl-C during start-up
+    then exits at once instead of
     waiting for the import to finish (asyncio.to_thread's threads are joined at exit)."""
     loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
 
@@ -205,7 +207,7 @@ def _import_http() -> asyncio.Future:
         else:
             settle(lambda: done.set_result(module))
 
-    threading.Thread(target=run, name="import-http-gateway", daemon=True).start()
+    threading.Thread(target=run, name="import-doors", daemon=True).start()
     return done
 
 

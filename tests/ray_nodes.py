@@ -41,8 +41,12 @@ def free_port() -> int:
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without Ray's own variables (the test process may have set RAY_AUTH_MODE by starting a
     local Ray), plus ``extra``."""
+    from vtoken.models import data_dir
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.pop("VTOKEN_DATA_DIR", None)
+    # The prepared models stay where they are whatever HOME the test gives: the gateway renders with tiny-llama's
+    # tokenizer even over the fake engine.
+    env["VTOKEN_DATA_DIR"] = str(data_dir())
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 

@@ -75,8 +75,8 @@ def test_the_gateway_refuses_a_port_another_grpc_server_holds():
     import asyncio
 
     from cluster.config import parse_config
+    from cluster.dispatch import Dispatcher
     from cluster.gateway import Gateway, PortInUse
-    from cluster.requests import Tokenizer
 
     async def go():
         other = grpc.aio.server()
@@ -85,7 +85,7 @@ def test_the_gateway_refuses_a_port_another_grpc_server_holds():
         cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"port": port, "http_port": 0}})
         try:
             with pytest.raises(PortInUse, match=f"127.0.0.1:{port} is in use"):
-                await Gateway(cfg, None, Tokenizer(None)).start()
+                await Gateway(cfg, None, Dispatcher(cfg, None), None).start()
         finally:
             await other.stop(0)
 
@@ -177,7 +177,11 @@ def test_serve_is_quiet_and_speaks_openai_and_grpc(tmp_path):
     `vtoken generate` work on the same deployment, and Ctrl-C drains it."""
     import openai
 
+    from vtoken.models import models_dir
+
     port_file, http_file = tmp_path / "grpc-port", tmp_path / "http-port"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "models").symlink_to(models_dir())  # the door renders with tiny-llama's tokenizer
     proc = subprocess.Popen(
         [sys.executable, "-m", "vtoken.cli", "serve", "--config", fake_config(tmp_path), "--port-file", str(port_file),
          "--http-port-file", str(http_file)],

@@ -131,6 +131,31 @@ def test_a_conversation_follows_its_prefix_cache_on_real_replicas(served):
         served.ray_get(served.controller.set_placement.remote("weighted"), timeout=30)
 
 
+def test_what_vllm_serve_answers_real_replicas_answer(served):
+    """vLLM's serving layer at the door over real engines (issue 47, item 1): n=2 fanned out in the replica's
+    AsyncLLM, a JSON grammar run by the replica's EngineCore (xgrammar), a batch of prompts with echo and prompt
+    log-probabilities, the Responses API. Unchecked on the CPU that wrote it (no engine could be started there)."""
+    import openai
+
+    c = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    msg = [{"role": "user", "content": "Give a JSON object with a key a."}]
+    r = c.chat.completions.create(model="tiny-llama", messages=msg, max_tokens=24, n=2, temperature=1.0, seed=1,
+                                  response_format={"type": "json_object"})  # fmt: skip
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens > 0
+    for ch in r.choices:  # the grammar ran in the engine: a JSON prefix, whole when it stopped by itself
+        text = ch.message.content.strip()
+        assert text.startswith("{"), text
+        if ch.finish_reason == "stop":
+            json.loads(text)
+    r = c.completions.create(model="tiny-llama", prompt=["The capital of France is", "One, two,"], max_tokens=4,
+                             temperature=0, echo=True, logprobs=1)  # fmt: skip
+    assert r.choices[0].text.startswith("The capital of France is") and r.choices[1].text.startswith("One, two,")
+    lps = r.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and all(isinstance(v, float) for v in lps[1:])  # the prompt's, then the answer's
+    r = c.responses.create(model="tiny-llama", input="Say hi.", max_output_tokens=8, temperature=0)
+    assert r.output_text and r.usage.output_tokens <= 8
+
+
 def test_over_long_prompt_is_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub(served.port), prompt="word " * 3000, max_tokens=8)
@@ -190,14 +215,22 @@ def test_openai_client_on_vllm_with_the_requests_own_eviction_options(served):
         model="tiny-llama", prompt="The capital of France is", max_tokens=8, logprobs=2, extra_body=opts
     )
     lp = whole.choices[0].logprobs
-    assert whole.usage.completion_tokens == 8 and len(lp.tokens) == 8 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert whole.usage.completion_tokens == 8 and len(lp.tokens) == 8
+    # vLLM's shape: the top 2, and the sampled token beside them when it is not among them
+    assert all(2 <= len(top) <= 3 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True))
     assert all(x <= 0 for x in lp.token_logprobs)
     records = _finished_records(served)
-    for rid in (chunks[0].id.removeprefix("chatcmpl-"), whole.id.removeprefix("cmpl-")):
-        assert rid in records, sorted(records)
-        assert records[rid]["policy"] == "random" and records[rid]["budget"] == 0.25, records[rid]
+
+    def record(response_id: str) -> dict:  # the engine's id is the serving layer's, made unique
+        found = [v for k, v in records.items() if k.startswith(response_id + "-")]
+        assert len(found) == 1, (response_id, sorted(records))
+        return found[0]
+
+    for rid in (chunks[0].id, whole.id):
+        assert record(rid)["policy"] == "random" and record(rid)["budget"] == 0.25, record(rid)
     plain = c.completions.create(model="tiny-llama", prompt="Hello", max_tokens=2)
-    rec = _finished_records(served)[plain.id.removeprefix("cmpl-")]
+    records = _finished_records(served)
+    rec = record(plain.id)
     assert rec["policy"] == "snapkv" and rec["budget"] == 0.5  # the served config's own
 
 

@@ -37,7 +37,7 @@ def test_streams_and_reports(served):
         ({}, "", Code.INVALID_ARGUMENT, "prompt: Either prompt or prompt_embeds must be provided"),
         ({"temperature": -0.5}, "hi", Code.INVALID_ARGUMENT, "temperature"),
         ({"top_k": -7}, "hi", Code.INVALID_ARGUMENT, "top_k"),
-        ({"max_tokens": 2_000_000_000}, "hi", Code.INVALID_ARGUMENT, "exceeds the model's context"),
+        ({"max_tokens": 2_000_000_000}, "hi", Code.INVALID_ARGUMENT, "cannot be greater than max_model_len"),
         ({}, "x" * 5000, Code.RESOURCE_EXHAUSTED, ""),  # over max_request_bytes
     ],
 )

@@ -147,8 +147,8 @@ def test_vllms_sampling_fields_reach_the_engine_through_both_doors(served):
         got = {k: seen[seed].get(k) for k in ("min_p", "repetition_penalty", "min_tokens", "stop_token_ids")}
         assert got == {"min_p": 0.25, "repetition_penalty": 1.5, "min_tokens": 1, "stop_token_ids": [3]}, seed
     tok = post(served, "/tokenize", {"model": "fake", "prompt": "hey", "add_special_tokens": False}).json()
-    assert tok["tokens"] == list(b"hey") and tok["count"] == 3
-    assert post(served, "/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": "hey"}
+    assert tok["count"] == len(tok["tokens"]) > 0  # tiny-llama's tokenizer renders at a fake deployment's door
+    assert post(served, "/detokenize", {"model": "fake", "tokens": tok["tokens"]}).json()["prompt"] == "hey"
     assert post(served, "/tokenize", {"prompt": "hey"}, token=None).status_code == 401
 
 
@@ -156,12 +156,12 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
     r = served.client.chat.completions.create(
         model="fake", messages=MSG, max_tokens=2, extra_body={"vtoken": {"policy": "random", "budget": 0.25}}
     )
-    rid = r.id.removeprefix("chatcmpl-")
+    assert r.choices[0].message.content
     opts = pb.VTokenOptions(policy="random", budget=0.3, sink=2)
     list(stub(served.port).Generate(pb.GenerateRequest(prompt="hi", vtoken=opts), metadata=AUTH, timeout=30))
-    seen = {x["request_id"]: x.get("extra_args") for x in engine_requests(served)}
-    assert seen[rid] == {"vtoken": {"policy": "random", "budget": 0.25}}
-    assert {"vtoken": {"policy": "random", "budget": 0.3, "sink": 2}} in seen.values()
+    seen = [x.get("extra_args") for x in engine_requests(served)]
+    assert {"vtoken": {"policy": "random", "budget": 0.25}} in seen
+    assert {"vtoken": {"policy": "random", "budget": 0.3, "sink": 2}} in seen
     # h2o needs attention scores that this deployment's engine (policy streaming) does not collect
     with pytest.raises(openai.BadRequestError) as e:
         served.client.chat.completions.create(
@@ -181,45 +181,82 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
 @pytest.mark.parametrize(
     "path, body, code, param, needle",
     [
+        # The door's own: the body's JSON, its size, the vtoken extension (one line, naming the field)
         ("/v1/chat/completions", b'{"messages": [', 400, None, "malformed JSON"),
-        ("/v1/chat/completions", b"[1, 2]", 400, None, "JSON object"),
-        ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, 400, "temperature", "valid number"),
-        ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
-        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
-        ("/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", "string"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "tool"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None, "nested too deeply"),
+        ("/v1/chat/completions", {"messages": MSG, "temperature": float("nan")}, 400, None, "NaN"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"polcy": "h2o"}}, 400, "vtoken.polcy", "per-request"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"budget": -1}}, 400, "vtoken.budget", "budget"),
+        ("/v1/chat/completions", {"messages": MSG, "vtoken": "h2o"}, 400, "vtoken", "object"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 250_000}]}, 413, None, "max_request"),
+        # vLLM's own, as `vllm serve` answers them
+        ("/v1/chat/completions", b"[1, 2]", 400, "body", "valid dictionary"),
+        ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, 400, "body.temperature", "valid number"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}, 400, "body.max_tokens", "integer"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "body.messages", "valid list"),
+        ("/v1/chat/completions", {"messages": []}, 400, None, "empty conversation"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            400,
+            "body.messages.0.ChatCompletionDeveloperMessageParam.content",
+            "valid string",
+        ),  # fmt: skip
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": -3}, 400, "max_tokens", "at least 1"),
-        ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
-        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "context"),
-        ("/v1/chat/completions", {"messages": MSG, "n": 2}, 400, "n", "n=1"),
+        ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_tokens", "at least 1"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "max_model_len"),
         ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"x": 5}}, 400, "logit_bias", "integer token"),
         (
             "/v1/chat/completions",
             {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
             400,
-            "tools",
-            "not supported",
+            None,
+            "--tool-call-parser",
         ),  # fmt: skip
-        ("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None, "nested too deeply"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": MSG,
+                "max_tokens": 2,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                },
+            },
+            400,
+            None,
+            "Grammar error",
+        ),  # fmt: skip
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt", "non-empty"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 50}, 400, "logprobs", "max allowed"),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model", "gpt-4"),
-        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"polcy": "h2o"}}, 400, "vtoken.polcy", "per-request"),
-        ("/v1/chat/completions", {"messages": MSG, "vtoken": {"budget": -1}}, 400, "vtoken.budget", "budget"),
-        ("/v1/chat/completions", {"messages": MSG, "vtoken": "h2o"}, 400, "vtoken", "object"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 250_000}]}, 413, None, "max_request"),
-        ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "batch"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
-        ("/v1/embeddings", {"input": "hi"}, 404, None, "/v1/embeddings"),
+        # the fake's pool holds 16 blocks of 32 tokens: a request that can never fit is refused, not queued forever
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 600}, 400, None, "the pool has 16"),
     ],
 )
 def test_bad_input_gets_openai_error_json_and_the_server_keeps_serving(served, path, body, code, param, needle):
+    if isinstance(body, dict):
+        body = json.dumps({"model": "fake", **body}).encode()  # NaN as Python writes it: not JSON
     r = post(served, path, body)
     assert r.status_code == code, r.text
     err = r.json()["error"]
     assert err["code"] == code and needle in err["message"] and err["param"] == param, err
-    assert "\n" not in err["message"] and "Traceback" not in err["message"]
+    assert "Traceback" not in err["message"]
     assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_request_refused_before_its_first_output_keeps_its_status(served, stream):
+    """A Responses request that can never fit the pool (the fake's 16 blocks of 32 tokens) is a 400 with the reason,
+    streamed or not; streamed, vLLM's generator lets the refusal out after the held start (it was a 500)."""
+    r = post(served, "/v1/responses", {"model": "fake", "input": "hi", "max_output_tokens": 600, "stream": stream})
+    assert r.status_code == 400 and "the pool has 16" in r.json()["error"]["message"], r.text
+    assert served.client.responses.create(model="fake", input="hi", max_output_tokens=2).output_text
+
+
+def test_an_unknown_path_is_404(served):
+    assert post(served, "/v1/embeddings", {"model": "fake", "input": "hi"}).status_code == 404
+    assert post(served, "/scale_elastic_ep", {"new_data_parallel_size": 2}).status_code == 404  # one engine's knob
 
 
 def test_bearer_token_on_every_path_but_health(served):
@@ -238,17 +275,80 @@ def test_bearer_token_on_every_path_but_health(served):
 
 
 def test_an_unexpected_failure_is_500_with_the_request_id_and_no_traceback(served):
-    class Broken:
-        def encode_chat(self, messages):
-            raise RuntimeError("boom in /srv/secret/path.py")
+    engine = served.gateway.engine
 
-    tok, served.http.tok = served.http.tok, Broken()
+    def broken(*args):
+        raise RuntimeError("boom in /srv/secret/path.py")
+
+    engine._valid = broken
     try:
         r = post(served, "/v1/chat/completions", {"messages": MSG})
     finally:
-        served.http.tok = tok
+        del engine._valid
     err = r.json()["error"]
     assert r.status_code == 500 and "server id" in err["message"] and "secret" not in err["message"], err
+    assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices
+
+
+# ------------------------------------------------------------------ chat templates (issue 46, on vLLM's door)
+SMUGGLED = "X {{ messages[0].content }}"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"chat_template": SMUGGLED}, "untrusted chat template"),
+        ({"chat_template_kwargs": {"chat_template": SMUGGLED}}, "untrusted chat template"),
+    ],
+)
+def test_a_clients_chat_template_never_reaches_the_renderer(served, path, extra, needle):
+    """Issue 46: a template sent with the request, or smuggled in chat_template_kwargs, is refused by vLLM's
+    renderer (the deployment's template is the only one); the door keeps serving."""
+    r = post(served, path, {"model": "fake", "messages": MSG, "max_tokens": 1, **extra})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert post(served, "/tokenize", {"model": "fake", "messages": MSG}).json()["count"] > 1
+
+
+def test_a_template_that_renders_too_long_is_413_for_both_doors_and_health_answers_meanwhile(served):
+    """Issue 46: rendering runs off the event loop (vLLM's renderer threads) and is bounded by
+    gateway.render_timeout_s: past it, HTTP 413 and gRPC RESOURCE_EXHAUSTED (vLLM's server would answer 500), while
+    /health answers throughout; the stuck thread is replaced and the next request renders."""
+    from cluster.requests import RENDER_TIMEOUT_ENV
+
+    tok = served.gateway.state.openai_serving_chat.renderer.tokenizer
+    plain, before = tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV]
+    spinning = threading.Event()
+
+    def slow(*args, **kwargs):  # pure Python holding the GIL between switches, as a template's loop does
+        if not spinning.is_set():
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                pass
+        return plain(*args, **kwargs)
+
+    tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV] = slow, "1"
+    try:
+        out: dict = {}
+        body = {"model": "fake", "messages": MSG}
+        t = threading.Thread(target=lambda: out.update(r=post(served, "/v1/chat/completions", body)))
+        t.start()
+        waits = []
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert httpx.get(served.url + "/health", timeout=30).status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        r = out["r"]
+        assert r.status_code == 413 and "gateway.render_timeout_s (1 s)" in r.json()["error"]["message"], r.text
+        assert max(waits) < 1.0, f"/health waited {max(waits):.2f} s while a template rendered"
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(served.port).Generate(pb.GenerateRequest(messages=chat), metadata=AUTH, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "render_timeout_s" in e.value.details()
+    finally:
+        spinning.set()
+        tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV] = plain, before
     assert served.client.chat.completions.create(model="fake", messages=MSG, max_tokens=1).choices
 
 
@@ -290,7 +390,7 @@ def test_over_max_inflight_is_429_for_http_and_grpc_together(served):
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks_within_2s(served, stream):
     st = stub(served.port)
-    body = {"messages": MSG, "max_tokens": 500, "stream": stream}
+    body = {"model": "fake", "messages": MSG, "max_tokens": 400, "stream": stream}
     h = {"authorization": f"Bearer {TOKEN}"}
     with httpx.Client(timeout=httpx.Timeout(60, read=1.0 if not stream else 60)) as client:
         if stream:
@@ -468,15 +568,17 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
     import socket
 
     from cluster.dispatch import Dispatcher
-    from cluster.gateway import PortInUse, parse_pool
+    from cluster.frontend import serving_app
+    from cluster.gateway import PortInUse
     from cluster.http_gateway import HttpGateway
-    from cluster.requests import Tokenizer
 
     cert, key = _self_signed(tmp_path)
     cfg = config("tls", gateway={"http_port": "any", "tls_cert": cert, "tls_key": key})
 
     async def go():
-        gw = HttpGateway(cfg, None, Tokenizer(None), Dispatcher(cfg, None), parse_pool(cfg))
+        dispatcher = Dispatcher(cfg, None)
+        app = await serving_app(cfg, dispatcher)
+        gw = HttpGateway(cfg, None, dispatcher, app)
         port = await gw.start()
         try:
             async with httpx.AsyncClient(verify=cert) as c:
@@ -490,8 +592,62 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
                 held.listen()
                 busy = config("busy", gateway={"http_port": held.getsockname()[1]})
                 with pytest.raises(PortInUse, match="gateway.http_port: 127.0.0.1:.* is in use"):
-                    await HttpGateway(busy, None, Tokenizer(None), Dispatcher(busy, None), parse_pool(busy)).start()
+                    await HttpGateway(busy, None, dispatcher, app).start()
         finally:
             await gw.stop()
 
     asyncio.run(go())
+
+
+def test_what_vllm_serve_answers_the_door_answers(served):
+    """vLLM's serving layer at the door: n > 1 (fanned out in the replica's engine, placed once), structured outputs
+    (the grammar goes to the engine), a batch of prompts with echo and prompt log-probabilities, the Responses API."""
+    c = served.client
+    fmt = {"type": "json_object"}
+    r = c.chat.completions.create(model="fake", messages=MSG, max_tokens=3, n=2, response_format=fmt)
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    assert all(ch.message.content == " t0 t1 t2" for ch in r.choices)
+    sent = [x for x in engine_requests(served) if x.get("n") == 2]
+    assert sent and sent[-1]["structured_outputs"].json_object  # one placement, the grammar for the engine
+    r = c.completions.create(model="fake", prompt=["a", "b c"], max_tokens=2, echo=True, logprobs=1)
+    assert [ch.text for ch in r.choices] == ["a t0 t1", "b c t0 t1"]
+    assert r.choices[0].logprobs.token_logprobs[0] is None  # the prompt's first token has none, as vLLM answers
+    streamed = list(c.completions.create(model="fake", prompt=["a", "b"], max_tokens=2, stream=True))
+    assert sorted({ch.choices[0].index for ch in streamed if ch.choices}) == [0, 1]
+    r = c.responses.create(model="fake", input="hi", max_output_tokens=3)
+    assert r.output_text == " t0 t1 t2" and r.usage.output_tokens == 3
+
+
+def test_a_replica_lost_mid_answer_is_that_requests_503_and_the_server_serves_on():
+    """One replica's death is its requests' error, never the server's: vLLM's server exits when its engine is dead,
+    so the engine client never says so (cluster/remote_engine.py). A whole answer gets a 503, a stream an error
+    event; the door answers meanwhile and serves again once Ray has restarted the replica."""
+    import ray
+
+    ensure_ray()
+    cfg = config("http-death", replicas=1, gateway={"http_port": "any", "place_timeout_s": 2})
+    with BackgroundServer(cfg) as s:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1", api_key="none", max_retries=0, timeout=60)
+        # 150 tokens of 10 ms each; both requests fit the replica's 16 blocks at once
+        stream = c.chat.completions.create(model="fake", messages=MSG, max_tokens=150, stream=True)
+        got: list = [next(stream), next(stream)]
+        whole: list = []
+
+        def ask():
+            try:
+                whole.append(c.chat.completions.create(model="fake", messages=MSG, max_tokens=150))
+            except openai.APIStatusError as e:
+                whole.append(e)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_for(lambda: s.gateway.dispatcher.inflight == 2, 10, 0.05, what="both requests placed")
+        time.sleep(0.3)  # the whole answer has tokens under way: no retry elsewhere
+        ray.kill(ray.get_actor(status(stub(s.port))["replicas"][0]["name"]), no_restart=False)
+        with pytest.raises(openai.APIError):
+            got.extend(stream)
+        asker.join(60)
+        assert isinstance(whole[0], openai.APIStatusError) and whole[0].status_code == 503, whole
+        assert [m.id for m in c.models.list().data] == ["fake"]  # the server is up
+        wait_for(lambda: status(stub(s.port))["replicas"][0]["state"] == "healthy", 60, 0.2, what="the restart")
+        assert c.chat.completions.create(model="fake", messages=MSG, max_tokens=2).choices[0].message.content

@@ -14,7 +14,7 @@ from cluster.server import BackgroundServer
 from cluster.status import render_table
 
 pytestmark = pytest.mark.timeout(180)
-SYSTEM = "You are a careful assistant. " * 8  # 232 bytes: 7 blocks of 32 (the fake tokenizer counts bytes)
+SYSTEM = "You are a careful assistant. " * 40  # 241 tokens of tiny-llama's tokenizer (the door's): 7 blocks of 32
 
 
 def test_a_conversation_follows_its_cache_and_the_hit_rate_shows():

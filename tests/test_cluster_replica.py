@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from actors.engines import Chunk, FakeEngine, GenerateSpec
+from actors.engines import ABORTED, Chunk, FakeEngine, GenerateSpec
 from actors.replica import Replica
 from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
@@ -81,16 +81,20 @@ def test_an_unexpected_engine_error_is_internal_and_its_traceback_stays_in_the_l
         (Chunk.failed("invalid_argument", "stop cannot contain an empty string.\nmore"), Code.INVALID_ARGUMENT, "stop"),
         (Chunk.failed("unavailable", "replica r is draining"), Code.UNAVAILABLE, "draining"),
         (Chunk.failed("internal", "replica r failed"), Code.INTERNAL, "failed"),
-        (Chunk(finished=True, finish_reason="abort"), Code.UNAVAILABLE, "aborted by replica r"),
+        (ABORTED, Code.UNAVAILABLE, "aborted by replica r"),
         (None, Code.UNAVAILABLE, "aborted by replica r"),  # the stream stopped before its finished chunk
     ],
 )
 def test_how_a_stream_the_server_ended_reaches_the_client(chunk, code, needle):
-    from cluster.openai_responses import HTTP_STATUS
+    from vllm.entrypoints.serve import create_error_response
+
+    from cluster.dispatch import Refused
+    from cluster.remote_engine import vllm_error
 
     got, why = failure(chunk, "r")
     assert Code[got.upper()] == code and needle in why and "\n" not in why  # the gRPC door's status
-    assert HTTP_STATUS[got] == {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "INTERNAL": 500}[code.name]  # HTTP's
+    status = create_error_response(vllm_error(Refused(got, why))).error.code  # HTTP's, through vLLM's mapping
+    assert status == {"INVALID_ARGUMENT": 400, "UNAVAILABLE": 503, "INTERNAL": 500}[code.name]
 
 
 def test_a_dead_engine_is_logged_once_and_reported_so_the_controller_restarts_the_replica(caplog):
@@ -249,11 +253,12 @@ def test_a_request_the_engine_ended_with_an_error_is_internal_for_its_client_alo
     class StubLLM:
         errored = False
 
-        async def generate(self, prompt, params, rid):
+        async def generate(self, prompt, params, rid, **engine_kwargs):
             done = rid == "bad"
-            out = SimpleNamespace(text="", token_ids=[] if done else [5], finish_reason="error" if done else "length",
-                                  logprobs=None)  # fmt: skip
-            yield SimpleNamespace(outputs=[out], finished=True)
+            reason = "error" if done else "length"
+            out = SimpleNamespace(index=0, text="", token_ids=[] if done else [5], cumulative_logprob=None,
+                                  finish_reason=reason, stop_reason=None, logprobs=None)  # fmt: skip
+            yield SimpleNamespace(outputs=[out], finished=True, prompt_logprobs=None, num_cached_tokens=0)
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.live = StubLLM(), {}
@@ -263,5 +268,5 @@ def test_a_request_the_engine_ended_with_an_error_is_internal_for_its_client_alo
 
     bad, good = asyncio.run(chunks("bad")), asyncio.run(chunks("good"))
     assert bad == [Chunk.failed("internal", ENDED_WITH_ERROR)] and not engine.errored
-    assert good[0].token_ids == (5,) and good[0].finish_reason == "length"
+    assert good[0].seqs[0].token_ids == (5,) and good[0].finish_reason == "length"
     assert failure(bad[0], "r")[0] == "internal"

@@ -40,7 +40,7 @@ def fake_service():
         model="tiny-llama",  # the fake engine, with tiny-llama's (SmolLM2's) tokenizer and chat template at the door
         replicas=1,
         engine={"kind": "fake", "fake_total_blocks": 64, "fake_token_delay_s": 0.001, "max_model_len": 512},
-        gateway={"port": 0, "http_port": "any", "max_prompt_chars": 4096, "max_request_bytes": 1 << 16},
+        gateway={"port": 0, "http_port": "any", "max_request_bytes": 1 << 16},
     )
     with BackgroundServer(cfg, start_timeout_s=120) as served:
         fuzz = DoorFuzz(served.http_port, served.port)

@@ -26,13 +26,13 @@ def _snapshot(**pool):
 def test_metrics_render_per_replica_series_with_vllm_names_in_a_registry_of_their_own():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from actors.engines import Chunk
+    from actors.wire import Chunk, Seq
     from cluster.metrics import Metrics
 
     a, b = Metrics("m"), Metrics("m")  # two servers in one process share nothing
     t = a.timer("http", 7)
-    t.chunk("r1", Chunk("x", (1, 2)))
-    t.chunk("r1", Chunk("y", (3,), True, "stop"))
+    t.chunk("r1", Chunk((Seq(0, "x", (1, 2)),)))
+    t.chunk("r1", Chunk((Seq(0, "y", (3,), finish_reason="stop"),), True))
     t.done("ok")
     snap = _snapshot(running=2, kv_cache_usage=0.5, blocks_reclaimed=4, tokens_moved_total=9, total_blocks=10)
     got = {
@@ -110,13 +110,13 @@ def test_the_grafana_dashboard_plots_only_series_the_server_exposes():
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from actors.engines import Chunk
+    from actors.wire import Chunk, Seq
     from cluster.metrics import Metrics
 
     m = Metrics("m")
     t = m.timer("http", 3)
-    t.chunk("r1", Chunk("x", (1,)))
-    t.chunk("r1", Chunk("y", (2,), True, "stop"))
+    t.chunk("r1", Chunk((Seq(0, "x", (1,)),)))
+    t.chunk("r1", Chunk((Seq(0, "y", (2,), finish_reason="stop"),), True))
     t.done("ok")
     text = m.render(_snapshot(total_blocks=10)).decode()
     exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}

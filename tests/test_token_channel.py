@@ -8,15 +8,16 @@ import asyncio
 import pytest
 from cluster_harness import config, ensure_ray, generate, stub
 
-from actors.engines import Chunk, TokenLogprob
 from actors.token_channel import ChannelStream, TokenChannel, TokenSender, Unreachable, decode, encode, is_loopback
+from actors.wire import Chunk, Seq
 
 pytestmark = pytest.mark.timeout(120)
 
+LPS = (((6, -0.5, 1, " b"), (9, float("-inf"), 2, " z")),) * 2  # per position: (token, logprob, rank, text)
 CHUNKS = [
-    Chunk(" a", (5,)),
-    Chunk(" b c", (6, 7), logprobs=(TokenLogprob(6, " b", -0.5, ((6, " b", -0.5), (9, " z", -9999.0))),) * 2),
-    Chunk("", (), True, "stop"),
+    Chunk((Seq(0, " a", (5,)),)),
+    Chunk((Seq(0, " b c", (6, 7), LPS, -1.0), Seq(1, " d", (8,), LPS[:1], -0.5, "stop", 2)), num_cached_tokens=32),
+    Chunk((Seq(0, "", (), finish_reason="stop"),), True, prompt_logprobs=(None, LPS[0])),
     Chunk.failed("internal", "replica r1 failed to serve the request"),
 ]
 
@@ -25,8 +26,8 @@ CHUNKS = [
 def test_a_chunk_crosses_whole(chunk):
     rid, payload = encode("req-1", chunk)
     got = decode(payload)
-    assert rid == b"req-1" and got == chunk and type(got.token_ids) is tuple
-    assert all(type(lp) is TokenLogprob and type(lp.top) is tuple for lp in got.logprobs)
+    assert rid == b"req-1" and got == chunk
+    assert all(type(s) is Seq and type(s.token_ids) is tuple for s in got.seqs)
 
 
 def test_loopback_addresses():
@@ -43,10 +44,10 @@ def test_chunks_arrive_in_order_and_by_request():
         channel, sender = TokenChannel(), TokenSender()
         a, b = channel.open("a"), channel.open("b")
         for i in range(50):
-            await sender.send(channel.address, "a" if i % 2 else "b", Chunk(str(i), (i,)))
-        await sender.send(channel.address, "nobody", Chunk("lost"))  # dropped: no queue
-        got_a = [(await a.get()).text for _ in range(25)]
-        got_b = [(await b.get()).text for _ in range(25)]
+            await sender.send(channel.address, "a" if i % 2 else "b", Chunk((Seq(0, str(i), (i,)),)))
+        await sender.send(channel.address, "nobody", Chunk((Seq(0, "lost"),)))  # dropped: no queue
+        got_a = [(await a.get()).seqs[0].text for _ in range(25)]
+        got_b = [(await b.get()).seqs[0].text for _ in range(25)]
         sender.close()
         await channel.aclose()
         return got_a, got_b
@@ -60,7 +61,7 @@ def _stream(channel, sender, sent, delay=0.0, error=None):
 
     async def call(address, rid):
         for i in range(sent):
-            await sender.send(address, rid, Chunk(str(i), (i,), i == sent - 1))
+            await sender.send(address, rid, Chunk((Seq(0, str(i), (i,)),), i == sent - 1))
         await asyncio.sleep(delay)
         if error is not None:
             raise error
@@ -72,7 +73,7 @@ def _stream(channel, sender, sent, delay=0.0, error=None):
 async def _all(stream):
     out = []
     while (c := await stream.next()) is not None:
-        out.append(c.text)
+        out.append(c.seqs[0].text)
     stream.close()
     return out
 

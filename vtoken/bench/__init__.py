@@ -31,6 +31,9 @@ BENCHMARKS = {
         "keyscores",
         "fleet",
         "chat",
+        "parity",
+        "doorcost",
+        "lmeval",
     )  # fmt: skip
 }
 

@@ -79,8 +79,9 @@ def _engine(args) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def stock_server(args, folder: str) -> Iterator[str]:
-    """vLLM's own OpenAI server with the engine arguments every vToken replica gets (cluster/controller.py)."""
+def stock_server(args, folder: str, flags: list[str] = (), env: dict[str, str] | None = None) -> Iterator[str]:
+    """vLLM's own OpenAI server with the engine arguments every vToken replica gets (cluster/controller.py), and
+    ``flags`` and ``env`` of its own (a tool parser, the Responses store)."""
     import httpx
 
     e, port = _engine(args), _free_port()
@@ -88,10 +89,10 @@ def stock_server(args, folder: str) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
         "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
         "--dtype", e["dtype"], "--block-size", str(e["block_size"]), "--max-model-len", str(e["max_model_len"]),
-        "--kv-cache-memory-bytes", str(e["kv_cache_memory_bytes"]), "--enforce-eager",
+        "--kv-cache-memory-bytes", str(e["kv_cache_memory_bytes"]), "--enforce-eager", *flags,
     ]  # fmt: skip
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
         try:
             t_end = time.monotonic() + 600

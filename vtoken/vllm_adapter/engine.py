@@ -209,8 +209,23 @@ def make_async_llm(model: str, vtoken: VTokenConfig | dict | None = None, stat_l
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(model=model, **engine_kwargs(vtoken, **kwargs))
+    args = AsyncEngineArgs(model=model, **config_objects(engine_kwargs(vtoken, **kwargs)))
     return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+
+
+def config_objects(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments with the config objects given as dicts (serve.yaml's ``engine.extra``) built as vLLM's
+    ``LLM`` builds them (vllm/entrypoints/llm.py ``LLM.__init__``, ``_make_config``: the init fields of the dict);
+    ``AsyncEngineArgs`` takes only the objects (``create_structured_outputs_config`` sets attributes on it)."""
+    from vllm.config import StructuredOutputsConfig
+    from vllm.config.utils import is_init_field
+
+    out = dict(kwargs)
+    value = out.get("structured_outputs_config")
+    if isinstance(value, dict):
+        cls = StructuredOutputsConfig
+        out["structured_outputs_config"] = cls(**{k: v for k, v in value.items() if is_init_field(cls, k)})
+    return out
 
 
 def pool_blocks_async(async_llm) -> int:

@@ -1,0 +1,336 @@
+"""What the HTTP door adds around vLLM's OpenAI app (an ASGI middleware): the bearer token, the body limit, the
+``vtoken`` extension, admission, client disconnects, and statuses that survive streaming.
+
+    auth       every path but the open ones (/health) needs ``authorization: Bearer <token>`` (401)
+    body       read whole before anything runs, refused past ``max_request_bytes`` (413); a client gone mid-body is
+               one INFO line (499, which nobody reads); the JSON must be JSON (NaN, Infinity and nesting Python
+               cannot parse are a 400, never an engine's NaN or a 500)
+    vtoken     the request's own eviction options, popped from the body and checked once (cluster/requests.py),
+               carried to the engine client in ``remote_engine.CONTEXT``; vLLM's models never see the field
+    admission  generation paths count against ``max_inflight`` over both doors from here to their end (429)
+    first      a streamed answer's status is held until its first event: a refusal before any output (no replica,
+               a deadline, a bad request the engine found) keeps its status as a JSON error, as Ray Serve's
+               ingress peeks at its first chunk; vLLM's serving layer would send it as an event after a 200
+    gone       a client that disconnects while its answer is computed or streamed cancels it (its request is
+               aborted in its replica at once, its blocks free) and is one INFO line
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any
+
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+from cluster.auth import bearer_ok
+from cluster.dispatch import Refused, internal_message
+from cluster.remote_engine import CONTEXT, RequestContext, vllm_error
+from cluster.requests import EXTENSION, BadRequest, Live, render_too_long, vtoken_options
+
+log = logging.getLogger("vtoken.http")
+DOOR = "http"
+# Paths that generate (admitted, counted): the OpenAI routes, Anthropic's messages.
+GENERATE = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions", "/v1/responses",
+                      "/v1/messages", "/inference/v1/generate", "/invocations", "/generative_scoring"})  # fmt: skip
+# vLLM's routes that steer its one engine (elastic expert parallelism, its KV event sockets): a cluster of replicas is
+# steered by `vtoken scale` and the controller, so they answer 404 here.
+NOT_SERVED = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep", "/kv_event_sources"})
+GONE_GRACE_S = 1.0  # how long vLLM's app may take to end a request whose client went away before it is cancelled
+# Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/http_gateway.py.
+OWN = frozenset({"/health", "/metrics"})
+# Events a streamed answer sends before its engine's first output (Responses' created and in_progress): held with
+# the status, so a refusal before the first output still gets its own.
+PREAMBLE = (b'"type":"response.created"', b'"type":"response.in_progress"')
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+               504: "TimeoutError"}  # fmt: skip
+STATUS_OF = {"invalid_argument": 400, "resource_exhausted": 429, "unavailable": 503, "deadline_exceeded": 504,
+             "internal": 500, "not_found": 404, "unauthenticated": 401}  # fmt: skip
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """OpenAI's error JSON, as vLLM's server writes it (``ErrorResponse``)."""
+    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), param=param, code=status)
+    return ErrorResponse(error=info).model_dump_json().encode()
+
+
+class ClientGone(Exception):
+    """The client disconnected while sending its body."""
+
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+class Door:
+    """The middleware around vLLM's app. ``gw`` is the HttpGateway: its config, token, dispatcher and metrics."""
+
+    def __init__(self, app: Any, gw: Any, token: str | None, open_paths: tuple[str, ...], own: Any = None):
+        self.app, self.gw, self.token, self.open, self.own = app, gw, token, open_paths, own
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, generate = scope["path"], scope["path"] in GENERATE and scope["method"] == "POST"
+        if self.token is not None and path not in self.open:
+            headers = dict(scope.get("headers") or ())
+            if not bearer_ok(headers.get(b"authorization", b"").decode("latin-1"), self.token):
+                if generate:
+                    self.gw.metrics.refused(DOOR, "unauthenticated")
+                message = "missing or wrong bearer token (authorization: Bearer <token>)"
+                return await _reply(send, 401, error_body(401, message), ((b"www-authenticate", b"Bearer"),))
+        if self.own is not None and path in OWN:
+            return await self.own(scope, receive, send)
+        if path in NOT_SERVED:
+            return await _reply(send, 404, error_body(404, f"{path} is not served by vtoken serve"))
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            body, scope, ctx = await self._read(scope, receive)
+        except ClientGone:
+            log.info("HTTP POST %s: the client went away mid-body; nothing was started", path)
+            if generate:
+                self.gw.metrics.refused(DOOR, "cancelled")
+            return
+        except BodyTooLarge as e:
+            return await self._refuse(send, generate, "resource_exhausted", str(e))
+        except BadRequest as e:
+            return await self._refuse(send, generate, "invalid_argument", str(e), e.param)
+        if not generate:
+            return await self._run(scope, body, receive, send, ctx, path)
+        slot = self.gw.dispatcher.admit(DOOR)
+        try:
+            slot.__enter__()
+        except Refused as e:  # admission: counted by the dispatcher
+            return await _reply(send, STATUS_OF[e.code], error_body(STATUS_OF[e.code], e.message, e.param))
+        live = ctx.seen["live"]
+        try:
+            await self._run(scope, body, receive, send, ctx, path)
+        finally:
+            live.door_done = True
+            if live.n == 0:
+                slot.__exit__(None, None, None)
+            else:  # a background request runs on after its answer: the slot stays with it until it ends
+                asyncio.ensure_future(_release_when_idle(live, slot))
+
+    async def _refuse(self, send, generate: bool, code: str, message: str, param: str | None = None) -> None:
+        if generate:
+            self.gw.metrics.refused(DOOR, code)
+        status = 413 if code == "resource_exhausted" else STATUS_OF[code]
+        await _reply(send, status, error_body(status, message, param))
+
+    async def _read(self, scope, receive) -> tuple[bytes, dict, RequestContext]:
+        """The body (limited), with the ``vtoken`` extension taken out and checked; the scope it is sent with."""
+        limit = self.gw.g.max_request_bytes
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"request body of {declared} bytes exceeds gateway.max_request_bytes ({limit})")
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise BodyTooLarge(f"request body exceeds gateway.max_request_bytes ({limit})")
+            parts.append(part)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(parts)
+        ctx = RequestContext(door=DOOR, client_id=headers.get(b"x-request-id", b"").decode("latin-1"),
+                             seen={"live": Live()})  # fmt: skip
+        if not body or not headers.get(b"content-type", b"").lower().startswith(b"application/json"):
+            return body, scope, ctx  # vLLM's own checks answer
+        obj = load_json(body)
+        if isinstance(obj, dict) and EXTENSION in obj:
+            ctx = ctx._replace(eviction=vtoken_options(obj.pop(EXTENSION), self.gw.cfg.vtoken))
+            body = json.dumps(obj).encode()
+            rest = [(k, v) for k, v in scope.get("headers") or () if k != b"content-length"]
+            scope = {**scope, "headers": [*rest, (b"content-length", str(len(body)).encode())]}
+        return body, scope, ctx
+
+    async def _run(self, scope, body: bytes, receive, send, ctx: RequestContext, path: str) -> None:
+        """vLLM's app on the body, with the request's context set; a disconnect cancels it, and a streamed answer's
+        status waits for its first event."""
+        gone = asyncio.Event()
+        replayed = False
+
+        async def app_receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        first = FirstEvent(send)
+        token = CONTEXT.set(ctx)
+        try:
+            app = asyncio.ensure_future(self.app(scope, app_receive, first.send))
+        finally:
+            CONTEXT.reset(token)
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({app, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if app.done():
+                app.result()
+                return
+            # vLLM's app hears the disconnect itself (its routes' with_cancellation, StreamingResponse) and cancels
+            # its handler, which aborts the request; cancelling the app from outside would orphan that handler
+            # (with_cancellation does not cancel it when it is cancelled itself). A backstop if it does not end.
+            gone.set()
+            done, _ = await asyncio.wait({app}, timeout=GONE_GRACE_S)
+            if not done:
+                app.cancel()
+            with contextlib.suppress(BaseException):
+                await app
+            where = "mid-stream" if first.streaming else "while waiting for its answer"
+            log.info("HTTP POST %s: the client went away %s; aborted", path, where)
+        except Exception as e:  # an error the app let out: vLLM's mapping if nothing was sent yet, else an event
+            await first.fail(e)
+        finally:
+            watch.cancel()
+            gone.set()
+
+
+class FirstEvent:
+    """``send`` for vLLM's app that holds a streamed answer's start (status, headers) and preamble until its first
+    real event: an error event there becomes a JSON error with the error's own status (a refusal before any output
+    keeps its status), anything else releases everything held, in order."""
+
+    def __init__(self, send):
+        self._send = send
+        self.held: list[dict] | None = None  # the start and preamble while holding
+        self.started = False  # the client has the status
+        self.streaming = False  # the client has events
+        self.done = False  # a JSON error replaced the stream: nothing more goes out
+
+    async def send(self, message: dict) -> None:
+        if self.done:
+            return
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers") or ())
+            if message["status"] == 200 and headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                self.held = [message]
+                return
+            self.started = True
+            await self._send(message)
+            return
+        if self.held is None:
+            await self._send(message)
+            return
+        data = message.get("body", b"")
+        if not data.strip() and message.get("more_body", False):
+            self.held.append(message)
+            return
+        error = stream_error(data)
+        if error is not None:
+            status, payload = error
+            self.done = True
+            await _reply(self._send, status, payload)
+            return
+        self.held.append(message)
+        if data and any(p in data for p in PREAMBLE) and message.get("more_body", False):
+            return
+        held, self.held = self.held, None
+        self.started = self.streaming = True
+        for m in held:
+            await self._send(m)
+
+    async def fail(self, e: Exception) -> None:
+        """The app raised: a JSON error with vLLM's status for it if the client has no status yet, else an error
+        event ends the stream (never a clean end after a truncated answer). Our own faults are logged."""
+        from vllm.entrypoints.serve import create_error_response
+
+        if isinstance(e, RuntimeError) and str(e).startswith("Caught handled exception") and e.__cause__:
+            # Starlette's words for an error its handlers would map after the held start went out (a streamed
+            # Responses request refused before its first output: vLLM's generator lets it out): the error itself
+            e = e.__cause__
+        while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+            e = e.exceptions[0]
+        if isinstance(e, Refused):
+            e = vllm_error(e)
+        e = render_too_long(e) or e
+        err = create_error_response(e)
+        if err.error.code >= 500 and not _ours_expected(e):
+            rid = uuid.uuid4().hex
+            log.error("HTTP request failed (server id %s)", rid, exc_info=e)
+            err.error.message = internal_message("", rid)
+        if self.done:
+            return
+        if not self.started:
+            self.held, self.done = None, True
+            await _reply(self._send, err.error.code, err.model_dump_json().encode())
+            return
+        if self.streaming:
+            with contextlib.suppress(Exception):
+                await self._send({"type": "http.response.body", "body": f"data: {err.model_dump_json()}\n\n".encode(),
+                                  "more_body": False})  # fmt: skip
+
+
+def _ours_expected(e: Exception) -> bool:
+    """A failure we raised on purpose with its own status (no replica, a deadline): not a bug to log loudly."""
+    from vllm.exceptions import GracefulHTTPError
+
+    return isinstance(e, GracefulHTTPError)
+
+
+def stream_error(data: bytes) -> tuple[int, bytes] | None:
+    """(status, OpenAI error JSON) when a stream's first event is an error (vLLM's ``data: {"error": ...}``, or a
+    Responses ``error`` event), else None."""
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[6:])
+        except ValueError:
+            return None
+        err = event.get("error") if isinstance(event, dict) else None
+        if isinstance(err, dict) and isinstance(err.get("code"), int):
+            return err["code"], json.dumps({"error": err}).encode()
+        if isinstance(event, dict) and event.get("type") == "error":
+            status = event.get("code") if isinstance(event.get("code"), int) else 500
+            return status, error_body(status, str(event.get("message", "")), event.get("param"))
+        return None
+    return None
+
+
+def load_json(raw: bytes) -> Any:
+    """The body as JSON, or a BadRequest: malformed, NaN or Infinity (not JSON; Python's parser takes them and an
+    engine would sample with them), or nested deeper than Python's parser goes."""
+
+    def no_constant(name: str):
+        raise BadRequest(f"malformed JSON: {name} is not a number JSON allows")
+
+    try:
+        return json.loads(raw, parse_constant=no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    except RecursionError:  # Python's parser recurses once per nesting level
+        raise BadRequest("malformed JSON: nested too deeply") from None
+
+
+async def _release_when_idle(live: Live, slot) -> None:
+    try:
+        await live.idle.wait()
+    finally:
+        slot.__exit__(None, None, None)
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _reply(send, status: int, body: bytes, headers: tuple = ()) -> None:
+    with contextlib.suppress(OSError):
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                *headers]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body, "more_body": False})
