@@ -107,7 +107,7 @@ class Door:
             slot.__enter__()
         except Refused as e:  # admission: counted by the dispatcher
             return await _reply(send, STATUS_OF[e.code], error_body(STATUS_OF[e.code], e.message, e.param))
-        live = ctx.seen["live"]
+        live = ctx.live
         try:
             await self._run(scope, body, receive, send, ctx, path)
         finally:
@@ -143,8 +143,7 @@ class Door:
             if not message.get("more_body", False):
                 break
         body = b"".join(parts)
-        ctx = RequestContext(door=DOOR, client_id=headers.get(b"x-request-id", b"").decode("latin-1"),
-                             seen={"live": Live()})  # fmt: skip
+        ctx = RequestContext(door=DOOR, client_id=headers.get(b"x-request-id", b"").decode("latin-1"), live=Live())
         if not body or not headers.get(b"content-type", b"").lower().startswith(b"application/json"):
             return body, scope, ctx  # vLLM's own checks answer
         obj = load_json(body)

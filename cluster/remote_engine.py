@@ -84,7 +84,7 @@ class RemoteEngineClient(EngineClient):
         # the engine's finished records name what the client saw) made unique, as AsyncLLM makes it (clients may
         # choose theirs: X-Request-Id, request_id).
         rid = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        live = ctx.seen.get("live") if ctx.seen is not None else None
+        live = ctx.live
         try:
             with contextlib.ExitStack() as held:
                 if live is not None:

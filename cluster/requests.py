@@ -10,8 +10,10 @@ Nothing here touches Ray or the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import math
+import os
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -33,8 +35,6 @@ def render_too_long(e: BaseException) -> Exception | None:
 
     if not isinstance(e, TimeoutError) or not str(e).startswith("Chat template rendering timed out"):
         return None
-    import os
-
     bound = os.environ.get(RENDER_TIMEOUT_ENV, "?")
     message = f"rendering the chat template took longer than gateway.render_timeout_s ({bound} s); refused"
     return GracefulHTTPError(message, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
@@ -148,6 +148,7 @@ class RequestContext(NamedTuple):
     # Filled in by ``generate`` for the door: "replica", the last replica that streamed for the request (gRPC's
     # GenerateResponse.replica). A dict, so tasks the serving layer starts write where the door reads.
     seen: dict | None = None
+    live: Live | None = None  # the HTTP door's: its generate calls still running (a background Responses request)
 
 
 class Live:
@@ -156,8 +157,6 @@ class Live:
     own admission has ended; a ``generate`` that starts after it is admitted on its own."""
 
     def __init__(self) -> None:
-        import asyncio
-
         self.n, self.door_done, self.idle = 0, False, asyncio.Event()
         self.idle.set()
 

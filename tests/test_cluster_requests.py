@@ -230,7 +230,7 @@ def test_a_generate_after_its_doors_answer_is_admitted_on_its_own_until_it_ends(
         eng = _client([Chunk((Seq(0, " a", (6,), finish_reason="length"),), finished=True)])
         live = Live()
         live.door_done = True
-        CONTEXT.set(RequestContext(seen={"live": live}))
+        CONTEXT.set(RequestContext(live=live))
         seen = []
         async for _ in eng.generate({"type": "token", "prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1), "r"):
             seen.append((eng.dispatcher.inflight, live.n))
