@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from vtoken.bench.engine_run import log
+from vtoken.bench.needles import wilson
 from vtoken.bench.report import Table
 from vtoken.config import SHIPPED_BUDGET
 
@@ -111,16 +111,6 @@ def _same(a: list, b: list) -> bool:
         abs(x - y) <= 1e-3 if isinstance(x, float) and isinstance(y, float) else x == y
         for x, y in zip(a, b, strict=True)
     )
-
-
-def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (0.0, 1.0)
-    p = hits / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, c - h), min(1.0, c + h))
 
 
 def run(args) -> dict:

@@ -246,15 +246,10 @@ def shape(a: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- servers
-def _engine(args) -> dict[str, Any]:
-    return {"dtype": "float32", "block_size": 32, "max_model_len": args.max_model_len,
-            "kv_cache_memory_bytes": args.kv_bytes, "enforce_eager": True}  # fmt: skip
-
-
 @contextlib.contextmanager
 def _server(kind: str, args, reasoning: str) -> Iterator[str]:
     """One server of ``kind`` with the tool parser, ``reasoning`` (or none) and the Responses store; its URL."""
-    from vtoken.bench.serve import stock_server
+    from vtoken.bench.serve import stock_server, vtoken_server
     from vtoken.models import model_path
 
     if kind == "stock":
@@ -263,30 +258,11 @@ def _server(kind: str, args, reasoning: str) -> Iterator[str]:
         with stock_server(args, str(model_path(args.model)), flags, {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as url:
             yield url
         return
-    from cluster.config import parse_config
-    from cluster.server import BackgroundServer, start_ray
-
-    cfg = parse_config(
-        {
-            "name": f"bench-parity-{kind}",
-            "model": args.model,
-            "replicas": 1,
-            "vtoken": {"off": {"mode": "off"}, "vtoken": {}, "always": {"evict": "always", "budget": args.budget}}[
-                kind
-            ],
-            "engine": {
-                **_engine(args),
-                "tool_call_parser": TOOL_PARSER,
-                "enable_auto_tool_choice": True,
-                "reasoning_parser": reasoning or None,
-            },  # fmt: skip
-            "replica": {"num_cpus": 0},
-            "gateway": {"port": 0, "http_port": "any", "responses_store": True},
-        }
-    )
-    start_ray(cfg, verbose=False)
-    with BackgroundServer(cfg) as s:
-        yield f"http://127.0.0.1:{s.http_port}"
+    on = {"mode": "vtoken"}
+    vt = {"off": {"mode": "off"}, "vtoken": on, "always": {**on, "evict": "always", "budget": args.budget}}[kind]
+    parsers = {"tool_call_parser": TOOL_PARSER, "enable_auto_tool_choice": True, "reasoning_parser": reasoning or None}
+    with vtoken_server(args, 1, vt, engine=parsers, gateway={"responses_store": True}) as url:
+        yield url
 
 
 def _ask(url: str, model: str, cases: dict) -> dict[str, dict]:

@@ -117,8 +117,10 @@ def stock_server(args, folder: str, flags: list[str] = (), env: dict[str, str] |
 
 
 @contextlib.contextmanager
-def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "zmq") -> Iterator[str]:
-    """`vtoken serve` in this process (an embedded Ray): controller, replicas, the OpenAI door."""
+def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "zmq", engine: dict | None = None,
+                  gateway: dict | None = None) -> Iterator[str]:  # fmt: skip
+    """`vtoken serve` in this process (an embedded Ray): controller, replicas, the OpenAI door; ``engine`` and
+    ``gateway``: keys of serve.yaml's sections beside these (a tool parser, the Responses store)."""
     from cluster.config import parse_config
     from cluster.server import BackgroundServer, start_ray
 
@@ -128,10 +130,16 @@ def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "z
             "model": args.model,
             "replicas": replicas,
             "vtoken": vtoken,
-            "engine": _engine(args),
+            "engine": {**_engine(args), **(engine or {})},
             # One replica may use every core, as stock vLLM does; two get a core each (one "device" each).
             "replica": {"num_cpus": 1 if replicas > 1 else 0, "pin_cpus": replicas > 1},
-            "gateway": {"port": 0, "http_port": "any", "max_inflight": 4096, "token_channel": channel},
+            "gateway": {
+                "port": 0,
+                "http_port": "any",
+                "max_inflight": 4096,
+                "token_channel": channel,
+                **(gateway or {}),
+            },
         }
     )
     start_ray(cfg, verbose=False)
