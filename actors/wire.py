@@ -103,6 +103,43 @@ def one_line(message: str, limit: int = 300) -> str:
 ABORTED = Chunk((Seq(finish_reason="abort"),), finished=True)
 
 
+def merge(first: Chunk, *rest: Chunk) -> Chunk:
+    """Consecutive deltas of one request as one, as vLLM merges them (``RequestOutput.add(aggregate=True)``, which
+    tests/test_wire.py holds this to): per sequence index the texts, token ids and log-probabilities joined, the
+    last cumulative log-probability and finish and stop reasons; the first chunk's prompt log-probabilities and
+    cache hit; finished if any is. Failed chunks are never merged."""
+    seqs: dict[int, list] = {}
+    for c in (first, *rest):
+        for s in c.seqs:
+            have = seqs.get(s.index)
+            if have is None:
+                seqs[s.index] = [s.text, list(s.token_ids), None if s.logprobs is None else list(s.logprobs), s]
+                continue
+            have[0] += s.text
+            have[1].extend(s.token_ids)
+            if s.logprobs:
+                have[2] = have[2] if have[2] is not None else []
+                have[2].extend(s.logprobs)
+            have[3] = s
+    return Chunk(
+        tuple(
+            Seq(
+                i,
+                text,
+                tuple(ids),
+                None if lps is None else tuple(lps),
+                last.cumulative_logprob,
+                last.finish_reason,
+                last.stop_reason,
+            )
+            for i, (text, ids, lps, last) in seqs.items()
+        ),  # fmt: skip
+        any(c.finished for c in (first, *rest)),
+        first.prompt_logprobs,
+        first.num_cached_tokens,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- the codec
 def pack(chunk: Chunk) -> bytes:
     return msgpack.packb(chunk, use_bin_type=True)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import ray
 
 from actors.token_channel import ChannelStream, TokenChannel, Unreachable
-from actors.wire import Chunk, GenerateSpec
+from actors.wire import Chunk, GenerateSpec, merge
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
 from cluster.requests import ValidRequest
@@ -161,9 +161,11 @@ class Dispatcher:
             streamed, done = 0, False
             try:
                 while True:
-                    timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
                     try:
-                        chunk = await asyncio.wait_for(stream.next(), timeout)
+                        if deadline is None:
+                            chunk = await stream.next()
+                        else:
+                            chunk = await asyncio.wait_for(stream.next(), max(deadline - loop.time(), 0.001))
                     except TimeoutError:
                         raise Refused("deadline_exceeded", "deadline exceeded") from None
                     except Unreachable as e:
@@ -190,6 +192,7 @@ class Dispatcher:
                             why = f"{why} after {streamed} chunks; retry the request"
                         raise Refused(code, why)
                     streamed += 1
+                    chunk = coalesce(chunk, stream)
                     done = chunk.finished
                     yield Delta(name, chunk)
                     if chunk.finished:
@@ -236,6 +239,18 @@ class Dispatcher:
         return placed
 
 
+def coalesce(chunk: Chunk, stream: Any) -> Chunk:
+    """``chunk`` with the request's outputs that are already here merged into it, as vLLM's AsyncLLM merges the
+    deltas of a request whose consumer fell behind (``RequestOutputCollector``): a loaded gateway sends fewer, larger
+    chunks instead of queueing every token behind the ones before. A failed or aborted chunk is never merged."""
+    more = []
+    while not chunk.finished and (nxt := stream.ready()) is not None:
+        more.append(nxt)
+        if nxt.finished:
+            break
+    return merge(chunk, *more) if more else chunk
+
+
 def failure(chunk: Chunk | None, replica: str) -> tuple[str, str]:
     """How a stream ends for the client when the server ended it: a failed request's code and one-line
     reason; a request the replica aborted (vLLM's finish_reason "abort", or a stream that stopped before its
@@ -261,6 +276,9 @@ class RayStream:
             return await (await self.gen.__anext__())
         except StopAsyncIteration:
             return None
+
+    def ready(self) -> Chunk | None:
+        return None  # a Ray stream's next object is fetched only when asked for
 
     def cancel(self) -> None:
         ray.cancel(self.gen)

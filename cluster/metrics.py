@@ -88,16 +88,19 @@ class RequestTimer:
         m.inflight.inc()
 
     def chunk(self, replica: str, chunk: Chunk) -> None:
-        now, n, labels = time.monotonic(), chunk.tokens, (self.m.model, replica)
-        self.replica = replica
+        now, n = time.monotonic(), chunk.tokens
+        if replica != self.replica:  # the series of this replica, looked up once per request (not per chunk)
+            self.replica, labels = replica, (self.m.model, replica)
+            self._itl, self._tokens = self.m.itl.labels(*labels), self.m.generation_tokens.labels(*labels)
         if n:
             if self.last is None:
+                labels = (self.m.model, replica)
                 self.m.ttft.labels(*labels).observe(now - self.t0)
                 self.m.prompt_tokens.labels(*labels).inc(self.prompt_tokens)
             else:
-                self.m.itl.labels(*labels).observe(now - self.last)
+                self._itl.observe(now - self.last)
             self.last = now
-            self.m.generation_tokens.labels(*labels).inc(n)
+            self._tokens.inc(n)
         if chunk.finish_reason:  # n > 1: the last sequence to finish names the request's reason
             self.finish = chunk.finish_reason
 

@@ -53,6 +53,12 @@ def generate(st, prompt="hello there", max_tokens=8, timeout=60, metadata=(), **
     return list(st.Generate(req, timeout=timeout, metadata=metadata))
 
 
+def tokens(out) -> list[str]:
+    """A stream's text per token (the fake's texts are one token each). Chunk boundaries are no contract: a gateway
+    that falls behind merges a request's waiting deltas, as vLLM's AsyncLLM does."""
+    return "".join(m.text for m in out).replace(" ", "\0 ").split("\0")[1:]
+
+
 def status(st, metadata=()):
     from cluster.status import from_proto
 

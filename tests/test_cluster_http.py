@@ -118,7 +118,7 @@ def test_openai_client_chat_and_completions_whole_and_streamed(served):
     assert r.choices[0].text == " t0 t1 t2 t3" and r.choices[0].logprobs.tokens == [" t0", " t1", " t2", " t3"]
     assert len(r.choices[0].logprobs.top_logprobs[0]) == 2
     parts = [ch.choices[0].text for ch in c.completions.create(model="fake", prompt="hello", max_tokens=3, stream=True)]
-    assert parts == [" t0", " t1", " t2"]
+    assert "".join(parts) == " t0 t1 t2"  # chunk boundaries are no contract (a loaded gateway merges deltas)
     r = c.chat.completions.create(model="fake", messages=MSG, max_tokens=2, logprobs=True, top_logprobs=3)
     lp = r.choices[0].logprobs.content
     assert [t.token for t in lp] == [" t0", " t1"] and len(lp[0].top_logprobs) == 3 and lp[0].logprob == -0.5

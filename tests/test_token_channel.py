@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cluster_harness import config, ensure_ray, generate, stub
+from cluster_harness import config, ensure_ray, generate, stub, tokens
 
 from actors.token_channel import ChannelStream, TokenChannel, TokenSender, Unreachable, decode, encode, is_loopback
 from actors.wire import Chunk, Seq
@@ -39,6 +39,11 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+async def _get(inbox):
+    await inbox.wait()
+    return inbox.chunks.popleft()
+
+
 def test_chunks_arrive_in_order_and_by_request():
     async def main():
         channel, sender = TokenChannel(), TokenSender()
@@ -46,8 +51,8 @@ def test_chunks_arrive_in_order_and_by_request():
         for i in range(50):
             await sender.send(channel.address, "a" if i % 2 else "b", Chunk((Seq(0, str(i), (i,)),)))
         await sender.send(channel.address, "nobody", Chunk((Seq(0, "lost"),)))  # dropped: no queue
-        got_a = [(await a.get()).seqs[0].text for _ in range(25)]
-        got_b = [(await b.get()).seqs[0].text for _ in range(25)]
+        got_a = [(await _get(a)).seqs[0].text for _ in range(25)]
+        got_b = [(await _get(b)).seqs[0].text for _ in range(25)]
         sender.close()
         await channel.aclose()
         return got_a, got_b
@@ -91,6 +96,40 @@ def test_a_stream_ends_with_what_its_call_sent():
     assert run(main()) == [[], ["0"], [str(i) for i in range(7)]]
 
 
+def test_a_burst_is_read_whole_and_what_is_here_is_taken_without_waiting():
+    """More frames than one reader callback takes (TokenChannel.DRAIN) all arrive, in order; ``ready()`` hands
+    over what is already here and stops before a failed chunk, which ``next()`` then returns."""
+
+    async def main():
+        channel, sender = TokenChannel(), TokenSender()
+        burst = channel.DRAIN * 2 + 7
+
+        async def call(address):
+            for i in range(burst):
+                await sender.send(address, "r", Chunk((Seq(0, str(i), (i,)),)))
+            await sender.send(address, "r", Chunk.failed("internal", "boom"))
+            return burst + 1
+
+        stream = ChannelStream(channel, "r", call)
+        first = await stream.next()
+        await stream.call
+        while len(stream.inbox.chunks) < burst:  # the rest of the burst, read by the channel's callbacks
+            await asyncio.sleep(0.01)
+        here = []
+        while (c := stream.ready()) is not None:
+            here.append(c)
+        last = await stream.next()
+        end = await stream.next()
+        stream.close()
+        sender.close()
+        await channel.aclose()
+        return first, here, last, end
+
+    first, here, last, end = run(main())
+    assert [c.seqs[0].text for c in (first, *here)] == [str(i) for i in range(TokenChannel.DRAIN * 2 + 7)]
+    assert last.error == "boom" and end is None
+
+
 def test_a_replica_that_cannot_reach_the_channel_says_so():
     async def main():
         channel = TokenChannel()
@@ -119,11 +158,11 @@ def test_the_served_cluster_streams_through_the_channel_and_falls_back_to_ray():
     with BackgroundServer(config("fake-channel", replicas=1)) as s:
         d = s.gateway.dispatcher
         out = generate(stub(s.port), max_tokens=5)
-        assert [m.text for m in out] == [" t0", " t1", " t2", " t3", " t4"] and out[-1].finished
+        assert tokens(out) == [" t0", " t1", " t2", " t3", " t4"] and out[-1].finished
         assert d.channel.address.startswith("tcp://127.0.0.1:") and not d._remote
         d._node = "192.0.2.1"  # as if the gateway ran on another node (TEST-NET address)
         out = generate(stub(s.port), max_tokens=5)
-        assert [m.text for m in out] == [" t0", " t1", " t2", " t3", " t4"] and out[-1].finished
+        assert tokens(out) == [" t0", " t1", " t2", " t3", " t4"] and out[-1].finished
         assert len(d._remote) == 1
 
 
@@ -134,4 +173,29 @@ def test_ray_streams_when_configured():
     with BackgroundServer(config("fake-raystream", replicas=1, gateway={"token_channel": "ray"})) as s:
         assert s.gateway.dispatcher.channel is None
         out = generate(stub(s.port), max_tokens=3)
-        assert [m.text for m in out] == [" t0", " t1", " t2"] and out[-1].finished
+        assert tokens(out) == [" t0", " t1", " t2"] and out[-1].finished
+
+
+def test_the_dispatcher_merges_what_is_already_here():
+    """A gateway that fell behind sends one merged delta for a request's waiting chunks (dispatch.coalesce), as
+    vLLM's AsyncLLM does; it stops at the finished chunk, and never merges a failed one."""
+    from cluster.dispatch import coalesce
+
+    class Here:
+        def __init__(self, chunks):
+            self.chunks = list(chunks)
+
+        def ready(self):
+            c = self.chunks[0] if self.chunks else None
+            return None if c is None or c.error else self.chunks.pop(0)
+
+    t = [Chunk((Seq(0, f" t{i}", (i,)),)) for i in range(4)]
+    end = Chunk((Seq(0, " t4", (4,), finish_reason="length"),), True)
+    here = Here([t[1], t[2], Chunk.failed("internal", "boom"), t[3]])
+    got = coalesce(t[0], here)
+    assert got.seqs[0].text == " t0 t1 t2" and got.seqs[0].token_ids == (0, 1, 2) and len(here.chunks) == 2
+    here = Here([t[2], end, t[3]])
+    got = coalesce(t[1], here)
+    assert got.finished and got.seqs[0].text == " t1 t2 t4" and got.seqs[0].finish_reason == "length"
+    assert here.chunks == [t[3]]
+    assert coalesce(end, Here([t[0]])) is end
