@@ -242,11 +242,13 @@ class Dispatcher:
 def coalesce(chunk: Chunk, stream: Any) -> Chunk:
     """``chunk`` with the request's outputs that are already here merged into it, as vLLM's AsyncLLM merges the
     deltas of a request whose consumer fell behind (``RequestOutputCollector``): a loaded gateway sends fewer, larger
-    chunks instead of queueing every token behind the ones before. A failed or aborted chunk is never merged."""
+    chunks instead of queueing every token behind the ones before. A failed or aborted chunk is never merged, and
+    a chunk in which a sequence finishes ends the merge (with ``n > 1`` the metrics name the request's finish by the
+    last sequence to finish, which a merge would reorder)."""
     more = []
-    while not chunk.finished and (nxt := stream.ready()) is not None:
+    while not chunk.finish_reason and (nxt := stream.ready()) is not None:
         more.append(nxt)
-        if nxt.finished:
+        if nxt.finish_reason or nxt.finished:
             break
     return merge(chunk, *more) if more else chunk
 

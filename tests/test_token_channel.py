@@ -199,3 +199,11 @@ def test_the_dispatcher_merges_what_is_already_here():
     assert got.finished and got.seqs[0].text == " t1 t2 t4" and got.seqs[0].finish_reason == "length"
     assert here.chunks == [t[3]]
     assert coalesce(end, Here([t[0]])) is end
+    # n = 2: sequence 0 stops first, sequence 1 runs on: the chunk where 0 stops ends the merge, so the last
+    # sequence to finish still names the request's finish in the metrics
+    two = [Chunk((Seq(0, " a", (1,)), Seq(1, " b", (2,)))), Chunk((Seq(0, "", (), finish_reason="stop"),
+           Seq(1, " c", (3,)))), Chunk((Seq(1, " d", (4,), finish_reason="length"),), True)]  # fmt: skip
+    here = Here(two[1:])
+    got = coalesce(two[0], here)
+    assert got.finish_reason == "stop" and here.chunks == [two[2]]
+    assert coalesce(here.chunks.pop(0), here).finish_reason == "length"
