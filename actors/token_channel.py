@@ -118,8 +118,10 @@ class TokenChannel:
 
     def _drain(self) -> None:
         sock = self._sock
+        if sock is None:  # closed while this call was pending
+            return
         for _ in range(self.DRAIN):
-            if sock is None or sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

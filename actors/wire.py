@@ -118,7 +118,8 @@ def merge(first: Chunk, *rest: Chunk) -> Chunk:
             have[0] += s.text
             have[1].extend(s.token_ids)
             if s.logprobs:
-                have[2] = have[2] if have[2] is not None else []
+                if have[2] is None:
+                    have[2] = []
                 have[2].extend(s.logprobs)
             have[3] = s
     return Chunk(
@@ -133,7 +134,7 @@ def merge(first: Chunk, *rest: Chunk) -> Chunk:
                 last.stop_reason,
             )
             for i, (text, ids, lps, last) in seqs.items()
-        ),  # fmt: skip
+        ),
         any(c.finished for c in (first, *rest)),
         first.prompt_logprobs,
         first.num_cached_tokens,

@@ -85,6 +85,7 @@ class RequestTimer:
         self.t0 = time.monotonic()
         self.last: float | None = None  # time of the last chunk with tokens
         self.replica, self.finish = "", ""
+        self._itl = self._tokens = None  # the replica's ITL and token series, set with ``replica``
         m.inflight.inc()
 
     def chunk(self, replica: str, chunk: Chunk) -> None:
