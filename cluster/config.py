@@ -237,6 +237,13 @@ class GatewayConfig(_Strict):
     )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
+    placement_refresh_s: float = Field(
+        0.1,
+        ge=0,
+        description="how often the gateway refreshes its copy of the replicas' views, from which it places requests "
+        "without a call to the controller each (cluster/placer.py; placement.strategy prefix always asks the "
+        "controller); 0: every request asks the controller",
+    )
     token_channel: Literal["zmq", "ray"] = Field(
         "zmq",
         description="how replicas stream tokens to the gateway: zmq (one ZeroMQ socket, actors/token_channel.py) or "

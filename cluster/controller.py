@@ -1,4 +1,4 @@
-"""Controller: a Ray actor that owns the replicas, aggregates their reports and places every request.
+"""Controller: a Ray actor that owns the replicas, aggregates their reports and keeps the account of placements.
 
 Replica statuses and their transitions: cluster/replica_status.py; creating, starting, probing, restarting and
 draining replicas: cluster/lifecycle.py (``ReplicaLifecycle``, which this class extends). Here: reports,
@@ -8,7 +8,9 @@ Promises: a request placed on a replica counts its estimated blocks against it u
 lists it as admitted (that report's ``free_blocks`` counts its blocks) or until the request ends, whichever
 is first. Dropping it at the first token instead would count its blocks twice while they are allocated but
 unreported (prefill), or not at all when the report is older than the admission. A replica that stops serving
-loses its promises (``ReplicaLifecycle._transition``).
+loses its promises (``ReplicaLifecycle._transition``). A gateway places most requests itself from the views it asks
+for (``placement_state``; cluster/placer.py) and tells each placement here (``promise``); this controller places
+the rest (``place``).
 
 A controller that dies is restarted by Ray (``max_restarts``, on the node of `vtoken serve`: cluster/server.py)
 under the same actor id, so the gateway's and the replicas' handles keep working. The new incarnation knows
@@ -35,6 +37,7 @@ from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
 from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
 from cluster.placement import ReplicaView, make_strategy
+from cluster.placer import PlacementState
 from cluster.prefix_index import PrefixIndex
 from cluster.replica_status import ReplicaStatus
 from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
@@ -43,6 +46,8 @@ log = logging.getLogger("vtoken.controller")
 __all__ = ["Controller", "Promise", "ReplicaState", "replica_env"]
 S = ReplicaStatus
 ADOPT_WINDOW_S = 120.0  # after a restart, a report from a replica not taken over yet takes it over this long
+SETTLED = 4096  # request ids kept as admitted or ended, for promises that arrive after
+GATEWAYS = 64  # gateways whose last promise is kept
 
 
 class Promise(NamedTuple):
@@ -67,6 +72,11 @@ class Controller(ReplicaLifecycle):
         # with a report that counts them, with their replica, or after promise_ttl_s (a request whose end the
         # controller never heard of: a gateway gone, a lost message); the rest keep the last few entries.
         self.promises: dict[str, Promise] = {}
+        # A gateway's promise that arrives after its request's admission (a report) or its end is not counted: such
+        # requests, the last SETTLED (admitted with no promise here, or ended past the gateway's last promise heard
+        # of). Per gateway (the last GATEWAYS), the last of its promises heard of.
+        self.settled: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self.acked: collections.OrderedDict[str, int] = collections.OrderedDict()
         # What each serving replica's prefix cache holds (its reports' deltas), dropped when it stops serving.
         self.prefix: dict[str, PrefixIndex] = {}
         self.decisions: collections.deque = collections.deque(maxlen=50)
@@ -149,7 +159,9 @@ class Controller(ReplicaLifecycle):
             self._drop_prefix(name)
         for rid in r.pool.admitted:
             p = self.promises.get(rid)
-            if p is not None and p.replica == name:
+            if p is None:  # placed by a gateway whose promise has not arrived yet (or one that expired)
+                self._settle(rid, name)
+            elif p.replica == name:
                 del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
         self._on_health(st, r)
@@ -295,6 +307,38 @@ class Controller(ReplicaLifecycle):
         self.placements[self.cfg.placement.strategy, v.name] += 1
         return v.name, self.replicas[v.name].handle
 
+    async def placement_state(self, gateway: str, known: tuple[str, ...] = ()) -> PlacementState:
+        """What ``gateway`` places from (cluster/placer.py): the serving replicas' views (every promise heard of
+        counted), the strategy, the last of the gateway's promises heard of, and the handles of the serving replicas
+        it does not name in ``known``."""
+        self._ensure_running()
+        views = tuple(self._views())
+        handles = {v.name: self.replicas[v.name].handle for v in views if v.name not in known}
+        return PlacementState(views, self.cfg.placement.strategy, self.acked.get(gateway, 0), handles)
+
+    async def promise(
+        self, gateway: str, seq: int, request_id: str, name: str, need_blocks: int, tokens: int, strategy: str
+    ) -> None:
+        """``gateway`` placed the request on replica ``name`` (its ``seq``-th placement): counted as ``place``
+        counts its own, unless the replica stopped serving or the request was admitted or ended already."""
+        self._ensure_running()
+        self.acked[gateway] = max(seq, self.acked.get(gateway, 0))
+        self.acked.move_to_end(gateway)
+        if len(self.acked) > GATEWAYS:
+            self.acked.popitem(last=False)
+        st = self.replicas.get(name)
+        late = (request_id, name) in self.settled or (request_id, "") in self.settled
+        if st is None or not st.state.serving() or late:
+            return
+        self.promises[request_id] = Promise(name, need_blocks, time.monotonic(), tokens)
+        self.placements[strategy, name] += 1
+
+    def _settle(self, request_id: str, replica: str = "") -> None:
+        """The request was admitted by ``replica``, or ended (no replica: wherever it was)."""
+        self.settled[request_id, replica] = None
+        if len(self.settled) > SETTLED:
+            self.settled.popitem(last=False)
+
     def _with_prefix(self, v: ReplicaView, prefix: tuple[int, ...]) -> ReplicaView:
         index = self.prefix.get(v.name)
         hit = index.match(prefix) if index is not None and prefix else 0
@@ -307,8 +351,11 @@ class Controller(ReplicaLifecycle):
             update={"placement": self.cfg.placement.model_copy(update={"strategy": strategy})}
         )
 
-    async def finished(self, request_id: str) -> None:
-        """The request is over (done, failed or cancelled): whatever it held is free or will be reported so."""
+    async def finished(self, request_id: str, gateway: str = "", seq: int = 0) -> None:
+        """The request is over (done, failed or cancelled): whatever it held is free or will be reported so.
+        ``gateway`` and ``seq``: the gateway placed it as its ``seq``-th promise, which may not have arrived yet."""
+        if gateway and seq > self.acked.get(gateway, 0):
+            self._settle(request_id)
         self.promises.pop(request_id, None)
 
     async def status(self) -> dict[str, Any]:

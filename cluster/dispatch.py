@@ -6,7 +6,8 @@ and maps a ``Refused``'s code to vLLM's errors; so a request is admitted, placed
 same way whichever door it came in by.
 
 A request's path: admission at the door (bounded: ``max_inflight`` over both doors, else resource_exhausted; the
-bound covers rendering too) -> placement by the controller (``n`` x the request's peak blocks) -> the replica's
+bound covers rendering too) -> placement (``n`` x the request's peak blocks) from the gateway's copy of the
+controller's views (cluster/placer.py), or by the controller -> the replica's
 chunks, through the token channel (actors/token_channel.py; a Ray streaming call with
 ``gateway.token_channel: ray``). A replica that dies before the first token: the
 request is placed again elsewhere (``max_attempts``); after it: unavailable. A deadline, or a client that goes
@@ -27,6 +28,7 @@ from actors.token_channel import ChannelStream, TokenChannel, Unreachable
 from actors.wire import Chunk, GenerateSpec, merge
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
+from cluster.placer import Placer
 from cluster.requests import ValidRequest
 from vtoken.core.budget import peak_blocks
 
@@ -85,6 +87,14 @@ class Dispatcher:
         host = self._node if self.g.token_channel_host == "node" else self.g.token_channel_host
         self.channel = TokenChannel(host or "127.0.0.1") if self.g.token_channel == "zmq" else None
         self._remote: set[str] = set()  # replicas that cannot reach the channel: Ray streams for them
+        refresh = self.g.placement_refresh_s
+        self.placer = Placer(controller, refresh) if controller is not None and refresh > 0 else None
+
+    async def aclose(self) -> None:
+        if self.placer is not None:
+            await self.placer.aclose()
+        if self.channel is not None:
+            await self.channel.aclose()
 
     @contextlib.contextmanager
     def admit(self, door: str):
@@ -129,7 +139,8 @@ class Dispatcher:
             log.exception("request %s (client id %r) failed", rid, req.request_id)
             raise Refused("internal", internal_message(req.request_id, rid)) from None
         finally:
-            self._tell("finished", rid)  # release the promise whatever happened
+            late = self.placer.finished(rid) if self.placer is not None else ()
+            self._tell("finished", rid, *late)  # release the promise whatever happened
             timer.done(outcome)
 
     def _tell(self, method: str, *args) -> None:
@@ -200,6 +211,8 @@ class Dispatcher:
             except LOST as e:
                 done = True  # nothing left to abort on a dead replica
                 self._tell("mark_failed", name, f"{type(e).__name__} during a request")
+                if self.placer is not None:
+                    self.placer.lost(name)
                 if streamed:
                     raise Refused("unavailable", f"replica {name} died mid-stream; retry the request") from None
                 log.info("replica %s died before request %s started; placing it again", name, rid)
@@ -213,8 +226,11 @@ class Dispatcher:
     async def _place(
         self, rid: str, need: int, tried: list[str], deadline: float | None, tokens: int = 0, prefix: tuple = ()
     ):
-        """Ask the controller until a replica is available (a replica or the controller itself may be
-        restarting), up to place_timeout_s: (name, handle), or None and why none."""
+        """Place from the gateway's views (cluster/placer.py), else ask the controller until a replica is available
+        (a replica or the controller itself may be restarting), up to place_timeout_s: (name, handle), or None and
+        why none."""
+        if self.placer is not None and (placed := self.placer.place(rid, need, tried, tokens)) is not None:
+            return placed, ""
         loop = asyncio.get_running_loop()
         t_end = loop.time() + self.g.place_timeout_s
         if deadline is not None:

@@ -50,6 +50,10 @@ class ReplicaView(NamedTuple):
 
 
 class PlacementStrategy(ABC):
+    # Whether choose() reads ``prefix_blocks``: the controller's prefix index, which only the controller holds (a
+    # gateway places the other strategies itself: cluster/placer.py).
+    reads_prefix = False
+
     @abstractmethod
     def choose(self, replicas: list[ReplicaView], need_blocks: int) -> ReplicaView:
         """Pick one of ``replicas`` (never empty) for a request that will need ``need_blocks``."""
@@ -143,6 +147,8 @@ class Prefix(PlacementStrategy):
     replica), or when the replica it picked carries more than ``max_extra_requests`` requests or ``max_extra_work``
     tokens of work beyond the least loaded replica that fits (the Router's imbalance threshold). Replicas that fit the
     request come first and stale reports last, as for ``weighted``."""
+
+    reads_prefix = True
 
     def __init__(
         self,

@@ -103,8 +103,7 @@ async def serving(
             await gateway.stop()
             if gateway.engine is not None:
                 gateway.engine.shutdown()
-            if gateway.dispatcher.channel is not None:
-                await gateway.dispatcher.channel.aclose()
+            await gateway.dispatcher.aclose()
         try:
             finals = await ctl.shutdown.remote()
         except ray.exceptions.RayError:

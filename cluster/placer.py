@@ -1,0 +1,143 @@
+"""Placement in the gateway: each request is placed from a copy of the controller's replica views held in the
+gateway, not by a call to the controller per request, as Ray Serve's router places by the queue lengths it caches.
+A request that finds the copy older than ``gateway.placement_refresh_s`` asks for a new one in the background (so
+a busy gateway asks about that often, an idle one never). A call per request waits for another process: under
+load, that wait was a tenth of a request's time to its first token (docs/clients.md, "What the door costs").
+
+The controller stays the one account of what is promised where. Each placement is told to it at once
+(``Controller.promise``, not waited for) with this gateway's sequence number; the views it sends back
+(``PlacementState``) count every promise it has heard of, and say up to which number it heard this gateway's. The
+gateway adds its own promises past that number, so a burst placed between two refreshes sees every request placed
+before it, as with a call per request.
+
+The controller still places a request (``Controller.place``, as before) when the copy is older than ``max_age_s``
+(the first request after a quiet spell, a controller restarting), when the strategy reads the controller's prefix
+index (``prefix``), and when no replica in the copy is left to try. A strategy switched live (``set_placement``)
+reaches the gateway with the next refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import uuid
+from typing import Any, NamedTuple
+
+import ray
+
+from cluster.placement import PlacementStrategy, ReplicaView, make_strategy
+
+log = logging.getLogger("vtoken.gateway")
+
+
+class PlacementState(NamedTuple):
+    """What a gateway places from (``Controller.placement_state``): the serving replicas' views, counting every
+    promise the controller has heard of; the strategy; the last of this gateway's promises it heard of (``acked``);
+    and the handles of serving replicas the gateway did not name as known."""
+
+    views: tuple[ReplicaView, ...]
+    strategy: str
+    acked: int
+    handles: dict[str, Any]
+
+
+class Mine(NamedTuple):
+    """A promise this gateway made that the controller's last views may not count yet."""
+
+    seq: int
+    replica: str
+    blocks: int
+    tokens: int
+
+
+class Placer:
+    """Invariants: a request placed here is told to the controller with a sequence number larger than any before it;
+    ``mine`` holds this gateway's promises in flight that the last views may not count (those past ``acked``), and
+    nothing else: a request's entry goes when it ends or when views that count it arrive."""
+
+    def __init__(self, controller: Any, refresh_s: float, max_age_s: float | None = None):
+        self.controller, self.refresh_s = controller, refresh_s
+        self.max_age_s = max_age_s if max_age_s is not None else max(5 * refresh_s, 0.5)
+        if self.max_age_s < refresh_s:
+            raise ValueError(f"max_age_s {self.max_age_s} is under refresh_s {refresh_s}")
+        self.id = uuid.uuid4().hex[:12]  # the controller counts this gateway's promises under it
+        self.views: tuple[ReplicaView, ...] = ()
+        self.strategy_name = ""
+        self.strategy: PlacementStrategy | None = None
+        self.handles: dict[str, Any] = {}
+        self.at: float | None = None  # loop time at which the views were asked for
+        self.seq = 0
+        self.mine: dict[str, Mine] = {}
+        self._task: asyncio.Task | None = None  # the refresh under way
+
+    def place(self, rid: str, need: int, exclude: list[str], tokens: int) -> tuple[str, Any] | None:
+        """(name, handle) of the replica for the request, told to the controller; None when the controller must
+        place it (see the module's docstring)."""
+        loop = asyncio.get_running_loop()
+        age = loop.time() - self.at if self.at is not None else None
+        if self._task is None and (age is None or age >= self.refresh_s):
+            self._task = loop.create_task(self._refresh())
+        s = self.strategy
+        if s is None or s.reads_prefix or age is None or age > self.max_age_s:
+            return None
+        views = [v for v in self.views if v.name not in exclude and v.name in self.handles]
+        if not views:
+            return None
+        if self.mine:
+            blocks: collections.Counter[str] = collections.Counter()
+            count: collections.Counter[str] = collections.Counter()
+            work: collections.Counter[str] = collections.Counter()
+            for m in self.mine.values():
+                blocks[m.replica] += m.blocks
+                count[m.replica] += 1
+                work[m.replica] += m.tokens
+            views = [v._replace(promised=v.promised + blocks[v.name], pending=v.pending + count[v.name],
+                                tokens_to_go=v.tokens_to_go + work[v.name]) for v in views]  # fmt: skip
+        v = s.choose(views, need)
+        self.seq += 1
+        self.mine[rid] = Mine(self.seq, v.name, need, tokens)
+        with contextlib.suppress(ray.exceptions.RayError):  # a controller restarting: it rebuilds from reports
+            self.controller.promise.remote(self.id, self.seq, rid, v.name, need, tokens, self.strategy_name)
+        return v.name, self.handles[v.name]
+
+    def finished(self, rid: str) -> tuple[str, int] | tuple[()]:
+        """The request ended: what the controller's ``finished`` needs to know of its promise if the last views did
+        not count it (the promise may arrive after the end)."""
+        m = self.mine.pop(rid, None)
+        return (self.id, m.seq) if m is not None else ()
+
+    def lost(self, name: str) -> None:
+        """A replica that died under a request: none goes there until views that still show it alive arrive."""
+        self.handles.pop(name, None)
+
+    def apply(self, st: PlacementState, asked_at: float) -> None:
+        """New views from the controller (asked for at loop time ``asked_at``)."""
+        names = {v.name for v in st.views}
+        self.handles = {n: h for n, h in {**self.handles, **st.handles}.items() if n in names}
+        self.views = st.views
+        if st.strategy != self.strategy_name:
+            self.strategy, self.strategy_name = make_strategy(st.strategy), st.strategy
+        if any(m.seq <= st.acked for m in self.mine.values()):
+            self.mine = {rid: m for rid, m in self.mine.items() if m.seq > st.acked}
+        self.at = asked_at
+
+    async def _refresh(self) -> None:
+        asked_at = asyncio.get_running_loop().time()
+        try:
+            call = self.controller.placement_state.remote(self.id, tuple(self.handles))
+            self.apply(await asyncio.wait_for(call, max(self.max_age_s, 5.0)), asked_at)
+        except (ray.exceptions.RayError, TimeoutError):  # restarting: requests go to the controller meanwhile
+            pass
+        except Exception:
+            log.exception("the gateway's placement views")
+        finally:
+            self._task = None
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
