@@ -6,10 +6,11 @@ has already filtered out the rest, so no strategy can place on a dead or drainin
 
 from __future__ import annotations
 
+import collections
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 
 class ReplicaView(NamedTuple):
@@ -47,6 +48,19 @@ class ReplicaView(NamedTuple):
     def requests(self) -> int:
         """Requests there by the controller's count: running and waiting by its last report, and placed since."""
         return self.running + self.waiting + self.pending
+
+
+def promised_per_replica(promises: Iterable[Any]) -> tuple[collections.Counter[str], ...]:
+    """Per replica, the blocks, requests and tokens of ``promises`` (each with ``replica``, ``blocks``, ``tokens``):
+    what views add as ``promised``, ``pending`` and ``tokens_to_go``."""
+    blocks: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
+    for p in promises:
+        blocks[p.replica] += p.blocks
+        count[p.replica] += 1
+        tokens[p.replica] += p.tokens
+    return blocks, count, tokens
 
 
 class PlacementStrategy(ABC):

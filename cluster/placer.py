@@ -21,7 +21,6 @@ the controller's prefix index (``prefix``), and when no replica in the copy is l
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import uuid
@@ -29,7 +28,7 @@ from typing import Any, NamedTuple
 
 import ray
 
-from cluster.placement import PlacementStrategy, ReplicaView, make_strategy
+from cluster.placement import PlacementStrategy, ReplicaView, make_strategy, promised_per_replica
 
 log = logging.getLogger("vtoken.gateway")
 MAX_AGE_S = 0.5  # the oldest copy placed from, at the default refresh (0.1 s)
@@ -93,13 +92,7 @@ class Placer:
         if not views:
             return None
         if self.mine:
-            blocks: collections.Counter[str] = collections.Counter()
-            count: collections.Counter[str] = collections.Counter()
-            work: collections.Counter[str] = collections.Counter()
-            for m in self.mine.values():
-                blocks[m.replica] += m.blocks
-                count[m.replica] += 1
-                work[m.replica] += m.tokens
+            blocks, count, work = promised_per_replica(self.mine.values())
             views = [v._replace(promised=v.promised + blocks[v.name], pending=v.pending + count[v.name],
                                 tokens_to_go=v.tokens_to_go + work[v.name]) for v in views]  # fmt: skip
         v = s.choose(views, need)

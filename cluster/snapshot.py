@@ -10,12 +10,11 @@ what placement and the autoscaler decide on, so they see the replicas exactly as
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any, NamedTuple
 
 from actors.report import ReplicaReport
-from cluster.placement import ReplicaView
+from cluster.placement import ReplicaView, promised_per_replica
 from cluster.replica_status import ReplicaStatus
 
 
@@ -44,13 +43,7 @@ class ClusterSnapshot(NamedTuple):
 
 def take_snapshot(ctl: Any) -> ClusterSnapshot:
     now = time.monotonic()
-    promised: collections.Counter[str] = collections.Counter()
-    pending: collections.Counter[str] = collections.Counter()
-    tokens: collections.Counter[str] = collections.Counter()
-    for p in ctl.promises.values():
-        promised[p.replica] += p.blocks
-        pending[p.replica] += 1
-        tokens[p.replica] += p.tokens
+    promised, pending, tokens = promised_per_replica(ctl.promises.values())
     return ClusterSnapshot(
         tuple(
             ReplicaSnapshot(
