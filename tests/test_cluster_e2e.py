@@ -107,11 +107,15 @@ def test_a_conversation_follows_its_prefix_cache_on_real_replicas(served):
     served.ray_get(served.controller.set_placement.remote("prefix"), timeout=30)
     try:
         st = stub(served.port)
+        before = {r["name"]: (r["prefix_blocks"], r["total_blocks"]) for r in status(st)["replicas"]}
         out = generate(st, prompt=first, max_tokens=4, temperature=0.0, ignore_eos=True)
         home, blocks = out[-1].replica, out[-1].prompt_tokens // 32
         assert blocks >= 10
-        wait_for(lambda: {r["name"]: r["prefix_blocks"] for r in status(st)["replicas"]}[home] >= blocks, timeout=30,
-                 what="the replica's KV events in the controller's index")  # fmt: skip
+        # The index holds this prompt's blocks once it grew by them (it held other prompts' blocks before: a count
+        # of `blocks` alone was reached before these arrived, and the first turn was placed without a match)
+        held, total = before[home]
+        wait_for(lambda: {r["name"]: r["prefix_blocks"] for r in status(st)["replicas"]}[home] >= min(held + blocks,
+                 total), timeout=30, what="the replica's KV events in the controller's index")  # fmt: skip
         hits = {r["name"]: r["prefix_hits"] for r in status(st)["replicas"]}[home]
         turns, seen = [], []
         for k in range(1, 4):
