@@ -99,13 +99,22 @@ QUICK = {
         and all(0 <= r["hit_rate"] <= 1 for r in o["chat"]["rows"])
         and o["targets"]["chat_prefix_vs_weighted"]
     ),
+    # The simulator's conversation study alone: both workloads, every placement, prefix against weighted.
+    "fleet_chat": lambda o: (
+        set(o["workloads"]) == {"cached", "long"}
+        and all(
+            {r["strategy"] for r in w["rows"]} == {"round_robin", "weighted", "prefix", "prefix_oracle"}
+            for w in o["workloads"].values()
+        )
+        and all(w["prefix_vs_weighted"] for w in o["workloads"].values())
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(QUICK))
 def test_bench_quick(name, tmp_path):
     """In this process: offline engines start in seconds (VLLM_ENABLE_V1_MULTIPROCESSING=0, conftest)."""
-    if name not in ("footprint", "fleet"):
+    if name not in ("footprint", "fleet", "fleet_chat"):
         pytest.importorskip("vllm")
     from vtoken.cli import main
 
@@ -171,6 +180,22 @@ def test_bench_chat_plumbing_on_the_fake_engine(tmp_path):
     assert out["single"]["replies_agree"]["equal"] == 1.0  # the fake answers alike in every mode
     assert 0 <= out["short_pool"]["replies_vs_full_kv"]["equal"] <= 1
     assert "short pool" in (tmp_path / "chat.md").read_text() and (tmp_path / "chat.png").stat().st_size > 5000
+
+
+def test_bench_chat_runs_only_the_parts_asked(tmp_path):
+    """``--parts placement``: one server, the strategies asked, no single or short-pool run, and the page without
+    their tables; part 3 alone is refused (it compares with part 2's stock replies)."""
+    from vtoken.cli import main
+
+    args = ["bench", "chat", "--quick", "--engine", "fake", "--out", str(tmp_path), "--max-model-len", "3072"]
+    assert main([*args, "--parts", "placement", "--strategies", "weighted,prefix"]) == 0
+    out = json.loads((tmp_path / "chat.json").read_text())
+    assert set(out["placement"]) == {"weighted", "prefix"} and out["parts"] == ["placement"]
+    assert "single" not in out and "short_pool" not in out and out["workload"]["max_model_len"] == 3072
+    md = (tmp_path / "chat.md").read_text()
+    assert "Placement on 2 replicas" in md and "One replica" not in md and "short pool" not in md
+    with pytest.raises(SystemExit, match="run single too"):
+        main([*args, "--parts", "short"])
 
 
 def test_rounds_against_round_robin_counts_each_round_at_each_deadline():

@@ -226,3 +226,29 @@ def test_a_planted_prefix_strategy_that_ignores_the_index_loses_its_hits(monkeyp
     monkeypatch.setattr(placement.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
     after = study.chat_run(real, chat_spec(), "prefix", 16, 16.0)["hit_rate"]
     assert after < before - 0.15
+
+
+def test_with_more_system_prompts_than_a_pool_holds_prefix_halves_the_ttft_and_with_few_it_ties():
+    """vtoken bench fleet_chat's two workloads on 16 replicas (seeded, so the figures are the simulator's, not the
+    machine's): with 32 system prompts of 1,536 tokens, weighted spreads each over every replica and their caches
+    churn, while prefix keeps each where it was read, so its median turn reads its prompt from a cache and starts
+    in under half weighted's time; with 4 short ones every replica caches them all, so the two tie (within 10%)."""
+    from vtoken.bench.fleet_chat import spec
+
+    real = calibration.load()
+    p50 = {}
+    for workload in ("long", "cached"):
+        s = spec(workload, 10.0, 0)
+        p50[workload] = {k: study.chat_run(real, s, k, 16, 16.0)["ttft_p50_s"] for k in ("weighted", "prefix")}
+    assert p50["long"]["prefix"] <= 0.5 * p50["long"]["weighted"], p50
+    assert abs(p50["cached"]["prefix"] / p50["cached"]["weighted"] - 1) < 0.1, p50
+
+
+def test_a_planted_prefix_strategy_that_ignores_the_index_does_not_halve_the_ttft(monkeypatch):
+    """The negative control of the test above: the same long workload, prefix choosing as weighted does."""
+    from vtoken.bench.fleet_chat import spec
+
+    real, s = calibration.load(), spec("long", 10.0, 0)
+    weighted = study.chat_run(real, s, "weighted", 16, 16.0)["ttft_p50_s"]
+    monkeypatch.setattr(placement.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
+    assert study.chat_run(real, s, "prefix", 16, 16.0)["ttft_p50_s"] > 0.8 * weighted

@@ -30,6 +30,7 @@ BENCHMARKS = {
         "retrieval",
         "keyscores",
         "fleet",
+        "fleet_chat",
         "chat",
         "parity",
         "doorcost",

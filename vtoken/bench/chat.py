@@ -15,6 +15,11 @@ client (request sent to the first content), the prefix hit rate from the replica
    runs: its hit rate and tokens evicted, and its replies against the full-KV replies of part 2's stock run, each
    turn sent with the full-KV run's history (so one differing reply does not change every later prompt).
 
+``--parts`` runs some of them (part 3 compares with part 2's stock replies). Where placement has something to
+win: with the defaults every replica soon caches all 3 system prompts, so any placement reads them from a cache;
+docs/results/chat_long.md runs part 1 on SmolLM2 with more system prompt than one replica's pool holds and long user
+messages, where a conversation's turn that lands away from its history prefills it again.
+
 A measurement, not a test: on CPUs the replicas share the machine with whatever else runs, so the result states the
 load (``os.getloadavg()`` before and after). ``--engine fake`` runs the same path on the fake engine (structure only).
 """
@@ -36,6 +41,7 @@ from vtoken.bench.report import Table
 KV_BYTES = 64 << 20  # 1024 blocks of tiny-llama: every conversation of a run stays cached
 SHORT_KV_BYTES = 6 << 20  # 96 blocks (3,072 tokens): two conversations' contexts do not fit at once
 MAX_MODEL_LEN = 2048  # a conversation's 8 turns fit; vLLM needs a pool that holds one such request
+PARTS = ("placement", "single", "short")
 QUICK = {"conversations": 4, "turns": "3,4", "max_tokens": 16, "think_s": 0.2, "gap_s": 0.2}
 
 
@@ -53,6 +59,8 @@ def add_args(p) -> None:
     p.add_argument("--strategies", default="round_robin,weighted,prefix")
     p.add_argument("--kv-bytes", type=int, default=KV_BYTES, help="KV pool of each replica")
     p.add_argument("--short-kv-bytes", type=int, default=SHORT_KV_BYTES, help="the short pool of part 3")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="every server's; a conversation must fit")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run, any of {', '.join(PARTS)}")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -226,9 +234,9 @@ def serve_config(args, name: str, replicas: int, vtoken: dict, kv_bytes: int, st
     if args.engine == "fake":  # a tokenizer for the chat template (the model's), the fake's blocks for the rest
         blocks = max(8, kv_bytes // (64 << 10))
         raw["engine"] = {"kind": "fake", "fake_total_blocks": blocks, "fake_token_delay_s": 0.002,
-                         "max_model_len": MAX_MODEL_LEN}  # fmt: skip
+                         "max_model_len": args.max_model_len}  # fmt: skip
     else:
-        raw["engine"] = {"kv_cache_memory_bytes": kv_bytes, "max_model_len": MAX_MODEL_LEN}
+        raw["engine"] = {"kv_cache_memory_bytes": kv_bytes, "max_model_len": args.max_model_len}
     return parse_config(raw, source="vtoken bench chat")
 
 
@@ -241,45 +249,45 @@ def run(args) -> dict:
     a = {**vars(args), **(QUICK if args.quick else {})}
     for k in QUICK:
         setattr(args, k, a[k])
+    parts = [x for x in args.parts.split(",") if x]
+    if set(parts) - set(PARTS) or not parts:
+        raise SystemExit(f"--parts: any of {', '.join(PARTS)}, not {args.parts!r}")
+    if "short" in parts and "single" not in parts:
+        raise SystemExit("--parts: short compares with single's stock replies; run single too")
     strategies = args.strategies.split(",")
     model = args.model
     load_before = os.getloadavg()
     started_ray = not ray.is_initialized()
-    out: dict[str, Any] = {"model": model, "engine": args.engine, "placement": {}}
-    first = serve_config(args, "chat", 2, {}, args.kv_bytes)
+    out: dict[str, Any] = {"model": model, "engine": args.engine, "parts": parts, "placement": {}}
+    first = serve_config(args, "chat", 2 if "placement" in parts else 1, {}, args.kv_bytes)
     start_ray(first)
     try:
-        # 1. placement on two replicas: each strategy on conversations of its own
         convs, single = conversations(args, args.seed), {}
-        with BackgroundServer(first) as served:
-            url = f"http://127.0.0.1:{served.http_port}"
-            for i, s in enumerate(strategies):
-                ray.get(served.controller.set_placement.remote(s), timeout=60)
-                time.sleep(MAX_AGE_S + 0.1)  # the gateway's next request waits for a copy with the new strategy
-                log(f"[placement] {s}: {args.conversations} conversations")
-                out["placement"][s] = phase(url, model, conversations(args, args.seed, args.seed + 1 + i), args)
-            # 2. one replica with vToken's defaults (the same server scaled in: one engine start fewer; its cache
-            # holds other conversations) against stock vLLM on a server of its own, on the same conversations
-            ray.get(served.controller.scale.remote(1), timeout=60)
-            until = time.monotonic() + 120
-            while len(ray.get(served.controller.status.remote(), timeout=60)["replicas"]) > 1:
-                if time.monotonic() > until:
-                    raise RuntimeError("the placement server did not scale in to one replica within 120 s")
-                time.sleep(0.5)
-            log("[single] vtoken mode vtoken (defaults)")
-            single["vtoken"] = phase(url, model, convs, args)
-        with BackgroundServer(serve_config(args, "chat-off", 1, {"mode": "off"}, args.kv_bytes)) as served:
-            log("[single] vtoken mode off (stock vLLM)")
-            single["off"] = phase(f"http://127.0.0.1:{served.http_port}", model, convs, args)
-        single["replies_agree"] = agreement(single["vtoken"]["conversations"], single["off"]["conversations"])
-        out["single"] = single
-        # 3. a short pool, each turn sent with the full-KV run's history; its replies against the full-KV ones
-        with BackgroundServer(serve_config(args, "chat-short", 1, {}, args.short_kv_bytes)) as served:
-            log(f"[short pool] {args.short_kv_bytes >> 20} MiB")
-            full = single["off"]["conversations"]
-            short = phase(f"http://127.0.0.1:{served.http_port}", model, convs, args, history=full)
-        short["replies_vs_full_kv"] = agreement(short["conversations"], full)
-        out["short_pool"] = {"kv_bytes": args.short_kv_bytes, **short}
+        if "placement" in parts or "single" in parts:
+            with BackgroundServer(first) as served:
+                url = f"http://127.0.0.1:{served.http_port}"
+                # 1. placement on two replicas: each strategy on conversations of its own
+                for i, s in enumerate(strategies if "placement" in parts else ()):
+                    ray.get(served.controller.set_placement.remote(s), timeout=60)
+                    time.sleep(MAX_AGE_S + 0.1)  # the gateway's next request waits for a copy with the new strategy
+                    log(f"[placement] {s}: {args.conversations} conversations")
+                    out["placement"][s] = phase(url, model, conversations(args, args.seed, args.seed + 1 + i), args)
+                if "single" in parts:
+                    _single_vtoken(served, url, model, convs, args, single)
+        if "single" in parts:
+            with BackgroundServer(serve_config(args, "chat-off", 1, {"mode": "off"}, args.kv_bytes)) as served:
+                log("[single] vtoken mode off (stock vLLM)")
+                single["off"] = phase(f"http://127.0.0.1:{served.http_port}", model, convs, args)
+            single["replies_agree"] = agreement(single["vtoken"]["conversations"], single["off"]["conversations"])
+            out["single"] = single
+        if "short" in parts:
+            # 3. a short pool, each turn sent with the full-KV run's history; its replies against the full-KV ones
+            with BackgroundServer(serve_config(args, "chat-short", 1, {}, args.short_kv_bytes)) as served:
+                log(f"[short pool] {args.short_kv_bytes >> 20} MiB")
+                full = single["off"]["conversations"]
+                short = phase(f"http://127.0.0.1:{served.http_port}", model, convs, args, history=full)
+            short["replies_vs_full_kv"] = agreement(short["conversations"], full)
+            out["short_pool"] = {"kv_bytes": args.short_kv_bytes, **short}
     finally:
         if started_ray:
             ray.shutdown()
@@ -289,8 +297,23 @@ def run(args) -> dict:
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
     out["workload"] = {k: a[k] for k in ("conversations", "turns", "system_prompts", "system_chars", "user_words",
-                                         "max_tokens", "think_s", "gap_s")}  # fmt: skip
+                                         "max_tokens", "think_s", "gap_s", "kv_bytes", "max_model_len")}  # fmt: skip
     return out
+
+
+def _single_vtoken(served, url: str, model: str, convs: list[Conversation], args, single: dict) -> None:
+    """Part 2's vToken run: one replica with vToken's defaults (after part 1, the same server scaled in: one engine
+    start fewer; its cache holds other conversations)."""
+    import ray
+
+    ray.get(served.controller.scale.remote(1), timeout=60)
+    until = time.monotonic() + 120
+    while len(ray.get(served.controller.status.remote(), timeout=60)["replicas"]) > 1:
+        if time.monotonic() > until:
+            raise RuntimeError("the placement server did not scale in to one replica within 120 s")
+        time.sleep(0.5)
+    log("[single] vtoken mode vtoken (defaults)")
+    single["vtoken"] = phase(url, model, convs, args)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -307,7 +330,7 @@ def tables(result: dict) -> list[Table]:
     shape = (
         f"{w['conversations']} conversations of {w['turns'].replace(',', '-')} turns over {w['system_prompts']} "
         f"system prompts of {w['system_chars']} characters, {w['max_tokens']} tokens a reply, think time "
-        f"{w['think_s']:g} s"
+        f"{w['think_s']:g} s" + (f", a pool of {w['kv_bytes'] >> 20} MiB per replica" if "kv_bytes" in w else "")
     )
     note = (
         f"Load on the machine ({load['cpus']} CPUs): load average {load['loadavg_before'][0]} before, "
@@ -329,6 +352,9 @@ def tables(result: dict) -> list[Table]:
         ],
         note,
     )
+    out = [placement] if result["placement"] else []
+    if "single" not in result:
+        return out
     one = result["single"]
     agree = one["replies_agree"]
     single = Table(
@@ -356,6 +382,9 @@ def tables(result: dict) -> list[Table]:
         f"stock's: {_pct(agree['equal'])} of turns (characters before the first difference: "
         f"{_pct(agree['common_prefix'])}).",
     )
+    out.append(single)
+    if "short_pool" not in result:
+        return out
     sp = result["short_pool"]
     vs = sp["replies_vs_full_kv"]
     short = Table(
@@ -381,7 +410,7 @@ def tables(result: dict) -> list[Table]:
         "Every turn sent with the full-KV run's history (stock vLLM, the large pool), so each reply is compared on "
         "the same prompt.",
     )
-    return [placement, single, short]
+    return [*out, short]
 
 
 def plot(result: dict, fig) -> None:
@@ -396,10 +425,14 @@ def plot(result: dict, fig) -> None:
     ax1.set(ylabel="TTFT, ms", title="placement on 2 replicas")
     ax1.legend(fontsize=7)
     hits = [100 * (result["placement"][s]["hit_rate"] or 0) for s in names]
-    modes = ["vtoken", "off"]
-    hits += [100 * (result["single"][m]["hit_rate"] or 0) for m in modes]
-    hits.append(100 * (result["short_pool"]["hit_rate"] or 0))
-    labels = names + [f"1 replica, {m}" for m in modes] + ["short pool"]
+    labels = list(names)
+    if "single" in result:
+        modes = ["vtoken", "off"]
+        hits += [100 * (result["single"][m]["hit_rate"] or 0) for m in modes]
+        labels += [f"1 replica, {m}" for m in modes]
+    if "short_pool" in result:
+        hits.append(100 * (result["short_pool"]["hit_rate"] or 0))
+        labels.append("short pool")
     ax2.barh(range(len(hits)), hits)
     ax2.set_yticks(range(len(hits)), labels, fontsize=7)
     ax2.set(xlabel="prefix hit rate, %", title="prompt tokens read from the cache")

@@ -183,14 +183,15 @@ def run(args) -> dict:
     return out
 
 
-def _chat(cal, a: dict) -> dict[str, Any]:
+def _chat(cal, a: dict, spec=None) -> dict[str, Any]:
     """Conversations over shared system prompts on replicas that keep prefix caches: each strategy's hit rate and
-    TTFT per fleet size and load, against the oracle that reads every cache (cluster/sim/oracle.py)."""
+    TTFT per fleet size and load, against the oracle that reads every cache (cluster/sim/oracle.py). ``spec``: the
+    workload and pools (study.ChatFleetSpec; default: its defaults, with ``chat_horizon`` and ``seed``)."""
     from dataclasses import asdict
 
     from cluster.sim import study
 
-    spec = study.ChatFleetSpec(horizon_s=a["chat_horizon"], seed=a["seed"])
+    spec = spec or study.ChatFleetSpec(horizon_s=a["chat_horizon"], seed=a["seed"])
     sizes = [int(x) for x in str(a["chat_replicas"]).split(",")]
     rates = [float(x) for x in str(a["chat_rates"]).split(",")]
     strategies = a["chat_strategies"].split(",")
@@ -425,44 +426,46 @@ def tables(result: dict) -> list[Table]:
             f"Targets: {result['targets']}",
         )
     )
-    ch = result.get("chat")
-    if ch:
-        c = ch["spec"]["chat"]
-        t.append(
-            Table(
-                f"Conversations over {c['systems']} shared system prompts ({c['system_tokens']} tokens), "
-                f"{c['turns'][0]}-{c['turns'][1]} turns, {c['think_s']:g} s think time; replicas of "
-                f"{ch['spec']['pools'][0]} blocks with prefix caches",
-                [
-                    "replicas",
-                    "conv/s per replica",
-                    "placement",
-                    "prefix hit rate",
-                    "later turns",
-                    "TTFT p50 ms",
-                    "TTFT p99 ms",
-                    "tokens/s",
-                    "busiest / mean",
-                ],  # fmt: skip
-                [
-                    [
-                        r["replicas"],
-                        f"{r['per_replica']:g}",
-                        r["strategy"],
-                        f"{r['hit_rate']:.1%}",
-                        f"{r['hit_rate_later_turns']:.1%}",
-                        _ms(r["ttft_p50_s"]),
-                        _ms(r["ttft_p99_s"]),
-                        round(r["tokens_per_s"]),
-                        round(r["imbalance"], 2),
-                    ]  # fmt: skip
-                    for r in ch["rows"]
-                ],
-                "Hit rate: prompt tokens read from the prefix cache over all prompt tokens. prefix_oracle reads every "
-                "replica's cache as it is (no controller can), under prefix's balance guard.",
-            )
-        )
+    if result.get("chat"):
+        t.append(chat_table(result["chat"]))
     return t
+
+
+def chat_table(ch: dict) -> Table:
+    """The conversation study's rows (``_chat``): per fleet size, load and placement, hit rates and TTFT."""
+    c = ch["spec"]["chat"]
+    return Table(
+        f"Conversations over {c['systems']} shared system prompts ({c['system_tokens']} tokens), "
+        f"{c['turns'][0]}-{c['turns'][1]} turns, {c['think_s']:g} s think time; replicas of "
+        f"{ch['spec']['pools'][0]} blocks with prefix caches",
+        [
+            "replicas",
+            "conv/s per replica",
+            "placement",
+            "prefix hit rate",
+            "later turns",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "tokens/s",
+            "busiest / mean",
+        ],  # fmt: skip
+        [
+            [
+                r["replicas"],
+                f"{r['per_replica']:g}",
+                r["strategy"],
+                f"{r['hit_rate']:.1%}",
+                f"{r['hit_rate_later_turns']:.1%}",
+                _ms(r["ttft_p50_s"]),
+                _ms(r["ttft_p99_s"]),
+                round(r["tokens_per_s"]),
+                round(r["imbalance"], 2),
+            ]  # fmt: skip
+            for r in ch["rows"]
+        ],
+        "Hit rate: prompt tokens read from the prefix cache over all prompt tokens. prefix_oracle reads every "
+        "replica's cache as it is (no controller can), under prefix's balance guard.",
+    )
 
 
 def _ms(s) -> str:
