@@ -17,8 +17,8 @@ client (request sent to the first content), the prefix hit rate from the replica
 
 ``--parts`` runs some of them (part 3 compares with part 2's stock replies). Where placement has something to
 win: with the defaults every replica soon caches all 3 system prompts, so any placement reads them from a cache;
-docs/results/chat_long.md runs part 1 on SmolLM2 with more system prompt than one replica's pool holds and long user
-messages, where a conversation's turn that lands away from its history prefills it again.
+docs/results/chat_long.md and chat_long_reversed.md run part 1 on SmolLM2 with more system prompt than one
+replica's pool holds and long user messages, where a turn that lands away from its history prefills it again.
 
 A measurement, not a test: on CPUs the replicas share the machine with whatever else runs, so the result states the
 load (``os.getloadavg()`` before and after). ``--engine fake`` runs the same path on the fake engine (structure only).
