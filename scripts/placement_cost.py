@@ -40,7 +40,6 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import parse_config
     from cluster.placer import MAX_AGE_S
     from cluster.server import BackgroundServer, start_ray
     from vtoken.bench import machine
@@ -53,11 +52,7 @@ def main() -> None:
                        str(args.output_len), "--max-concurrency", str(args.concurrency)])  # fmt: skip
     folder = str(model_path(args.model))
     strategies = args.strategies.split(",")
-    cfg = parse_config({
-        "name": "placement-cost", "model": args.model, "replicas": 1, "vtoken": {"mode": "off"},
-        "engine": bench_serve._engine(a), "replica": {"num_cpus": 0, "pin_cpus": False},
-        "gateway": {"port": 0, "http_port": "any", "max_inflight": 4096},
-    }, source="scripts/placement_cost.py")  # fmt: skip
+    cfg = bench_serve.vtoken_config(a, 1, {"mode": "off"})  # vtoken bench serve's server "off"
     start_ray(cfg, verbose=False)
     runs: dict[str, list[dict]] = {s: [] for s in strategies}
     t0, load_before = time.time(), os.getloadavg()[0]

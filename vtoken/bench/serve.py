@@ -116,15 +116,13 @@ def stock_server(args, folder: str, flags: list[str] = (), env: dict[str, str] |
                 proc.kill()
 
 
-@contextlib.contextmanager
-def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "zmq", engine: dict | None = None,
-                  gateway: dict | None = None) -> Iterator[str]:  # fmt: skip
-    """`vtoken serve` in this process (an embedded Ray): controller, replicas, the OpenAI door; ``engine`` and
-    ``gateway``: keys of serve.yaml's sections beside these (a tool parser, the Responses store)."""
+def vtoken_config(args, replicas: int, vtoken: dict[str, Any], channel: str = "zmq", engine: dict | None = None,
+                  gateway: dict | None = None):  # fmt: skip
+    """The config of `vtoken serve` as this benchmark runs it; ``engine`` and ``gateway``: keys of serve.yaml's
+    sections beside these (a tool parser, the Responses store)."""
     from cluster.config import parse_config
-    from cluster.server import BackgroundServer, start_ray
 
-    cfg = parse_config(
+    return parse_config(
         {
             "name": f"bench-serve-{replicas}-{vtoken['mode']}-{channel}",
             "model": args.model,
@@ -142,6 +140,15 @@ def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "z
             },
         }
     )
+
+
+@contextlib.contextmanager
+def vtoken_server(args, replicas: int, vtoken: dict[str, Any], channel: str = "zmq", engine: dict | None = None,
+                  gateway: dict | None = None) -> Iterator[str]:  # fmt: skip
+    """`vtoken serve` in this process (an embedded Ray): controller, replicas, the OpenAI door (``vtoken_config``)."""
+    from cluster.server import BackgroundServer, start_ray
+
+    cfg = vtoken_config(args, replicas, vtoken, channel, engine, gateway)
     start_ray(cfg, verbose=False)
     with BackgroundServer(cfg) as s:
         yield f"http://127.0.0.1:{s.http_port}"
