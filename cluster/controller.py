@@ -38,7 +38,7 @@ from cluster.config import ServeConfig
 from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
 from cluster.placement import ReplicaView, make_strategy
 from cluster.placer import PlacementState
-from cluster.prefix_index import PrefixIndex
+from cluster.prefix_index import PrefixIndex, with_prefix
 from cluster.replica_status import ReplicaStatus
 from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
 
@@ -299,7 +299,7 @@ class Controller(ReplicaLifecycle):
         ``tokens``: the request's prompt and max_tokens (work the replica's reports do not count yet); ``prefix``:
         its prompt's block hashes (vtoken/prefix_hash.py), matched against each replica's prefix cache."""
         self._ensure_running()
-        views = [self._with_prefix(v, prefix) for v in self._views() if v.name not in exclude]
+        views = with_prefix((v for v in self._views() if v.name not in exclude), self.prefix, prefix)
         if not views:
             return None
         v = self.strategy.choose(views, need_blocks)
@@ -307,14 +307,22 @@ class Controller(ReplicaLifecycle):
         self.placements[self.cfg.placement.strategy, v.name] += 1
         return v.name, self.replicas[v.name].handle
 
-    async def placement_state(self, gateway: str, known: tuple[str, ...] = ()) -> PlacementState:
+    async def placement_state(
+        self, gateway: str, known: tuple[str, ...] = (), copies: dict[str, tuple[int, int]] | None = None
+    ) -> PlacementState:
         """What ``gateway`` places from (cluster/placer.py): the serving replicas' views (every promise heard of
         counted), the strategy, the last of the gateway's promises heard of, and the handles of the serving replicas
-        it does not name in ``known``."""
+        it does not name in ``known``. Under a strategy that reads the prefix indexes, also what the gateway's
+        copies of them, at the (epoch, version) ``copies`` gives per replica, need to equal them."""
         self._ensure_running()
         views = tuple(self._views())
         handles = {v.name: self.replicas[v.name].handle for v in views if v.name not in known}
-        return PlacementState(views, self.cfg.placement.strategy, self.acked.get(gateway, 0), handles)
+        prefix = None
+        if self.strategy.reads_prefix:
+            have = copies or {}
+            indexed = [v.name for v in views if v.name in self.prefix]
+            prefix = {n: self.prefix[n].since(*have.get(n, (0, 0))) for n in indexed}
+        return PlacementState(views, self.cfg.placement.strategy, self.acked.get(gateway, 0), handles, prefix)
 
     async def promise(
         self, gateway: str, seq: int, request_id: str, name: str, need_blocks: int, tokens: int, strategy: str
@@ -338,11 +346,6 @@ class Controller(ReplicaLifecycle):
         self.settled[request_id, replica] = None
         if len(self.settled) > SETTLED:
             self.settled.popitem(last=False)
-
-    def _with_prefix(self, v: ReplicaView, prefix: tuple[int, ...]) -> ReplicaView:
-        index = self.prefix.get(v.name)
-        hit = index.match(prefix) if index is not None and prefix else 0
-        return v._replace(prompt_blocks=len(prefix), prefix_blocks=hit)
 
     async def set_placement(self, strategy: str) -> None:
         """Switch the strategy live (side-by-side measurements on the same replicas)."""

@@ -229,7 +229,8 @@ class Dispatcher:
         """Place from the gateway's views (cluster/placer.py), else ask the controller until a replica is available
         (a replica or the controller itself may be restarting), up to place_timeout_s: (name, handle), or None and
         why none."""
-        if self.placer is not None and (placed := await self.placer.place(rid, need, tried, tokens)) is not None:
+        placed = await self.placer.place(rid, need, tried, tokens, prefix) if self.placer is not None else None
+        if placed is not None:
             return placed, ""
         loop = asyncio.get_running_loop()
         t_end = loop.time() + self.g.place_timeout_s

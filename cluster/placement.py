@@ -64,8 +64,8 @@ def promised_per_replica(promises: Iterable[Any]) -> tuple[collections.Counter[s
 
 
 class PlacementStrategy(ABC):
-    # Whether choose() reads ``prefix_blocks``: the controller's prefix index, which only the controller holds (a
-    # gateway places the other strategies itself: cluster/placer.py).
+    # Whether choose() reads ``prefix_blocks``: the replicas' prefix indexes, of which the controller then sends
+    # each gateway what its copies need (cluster/placer.py).
     reads_prefix = False
 
     @abstractmethod

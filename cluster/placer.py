@@ -11,9 +11,12 @@ gateway adds its own promises past that number, so a burst placed between two re
 before it, as with a call per request.
 
 A request that finds the copy older than ``max_age_s`` (the first after a quiet spell) waits for the new one, so
-one gateway places with one strategy object (round robin takes turns with one counter). The controller still places
-a request (``Controller.place``, as before) when no copy comes (a controller restarting), when the strategy reads
-the controller's prefix index (``prefix``), and when no replica in the copy is left to try. A strategy switched live
+one gateway places with one strategy object (round robin takes turns with one counter). Under a strategy that reads
+the replicas' prefix indexes (``prefix``), the copy holds copies of them too, each brought up to date with every
+refresh by the changes since (cluster/prefix_index.py): a conversation's next turn, seconds after its last, finds
+the blocks its last turn left as the controller's index does. The controller still places a request
+(``Controller.place``, as before) when no copy comes (a controller restarting) and when no replica in the copy is
+left to try. A strategy switched live
 (``Controller.set_placement``) reaches the gateway with its next refresh: at the latest with the first request
 ``max_age_s`` after the switch.
 """
@@ -29,6 +32,7 @@ from typing import Any, NamedTuple
 import ray
 
 from cluster.placement import PlacementStrategy, ReplicaView, make_strategy, promised_per_replica
+from cluster.prefix_index import PrefixIndex, PrefixUpdate, with_prefix
 
 log = logging.getLogger("vtoken.gateway")
 MAX_AGE_S = 0.5  # the oldest copy placed from, at the default refresh (0.1 s)
@@ -43,6 +47,9 @@ class PlacementState(NamedTuple):
     strategy: str
     acked: int
     handles: dict[str, Any]
+    # Under a strategy that reads prefixes: per serving replica with an index, what the gateway's copy needs (None:
+    # nothing). None under the others: the gateway keeps no copies.
+    prefix: dict[str, PrefixUpdate | None] | None = None
 
 
 class Mine(NamedTuple):
@@ -69,14 +76,17 @@ class Placer:
         self.strategy_name = ""
         self.strategy: PlacementStrategy | None = None
         self.handles: dict[str, Any] = {}
+        self.prefix: dict[str, PrefixIndex] = {}  # copies of the controller's indexes, under ``prefix``
         self.at: float | None = None  # loop time at which the views were asked for
         self.seq = 0
         self.mine: dict[str, Mine] = {}
         self._task: asyncio.Task | None = None  # the refresh under way
 
-    async def place(self, rid: str, need: int, exclude: list[str], tokens: int) -> tuple[str, Any] | None:
+    async def place(
+        self, rid: str, need: int, exclude: list[str], tokens: int, prefix: tuple[int, ...] = ()
+    ) -> tuple[str, Any] | None:
         """(name, handle) of the replica for the request, told to the controller; None when the controller must
-        place it (see the module's docstring)."""
+        place it (see the module's docstring). ``prefix``: the prompt's block hashes (vtoken/prefix_hash.py)."""
         loop = asyncio.get_running_loop()
         age = loop.time() - self.at if self.at is not None else None
         if self._task is None and (age is None or age >= self.refresh_s):
@@ -86,11 +96,13 @@ class Placer:
                 await asyncio.shield(self._task)  # shared: a request that goes away does not cancel it
             age = loop.time() - self.at if self.at is not None else None
         s = self.strategy
-        if s is None or s.reads_prefix or age is None or age > self.max_age_s:
+        if s is None or age is None or age > self.max_age_s:
             return None
         views = [v for v in self.views if v.name not in exclude and v.name in self.handles]
         if not views:
             return None
+        if s.reads_prefix:
+            views = with_prefix(views, self.prefix, prefix)
         if self.mine:
             blocks, count, work = promised_per_replica(self.mine.values())
             views = [v._replace(promised=v.promised + blocks[v.name], pending=v.pending + count[v.name],
@@ -119,6 +131,15 @@ class Placer:
         self.views = st.views
         if st.strategy != self.strategy_name:
             self.strategy, self.strategy_name = make_strategy(st.strategy), st.strategy
+        copies = {}  # the replicas without an index (none under this strategy, or not serving) lose their copies
+        for name, u in (st.prefix or {}).items():
+            copy = self.prefix.get(name)
+            if u is not None:
+                copy = copy if copy is not None else PrefixIndex.copy_of(u)
+                copy.follow(u)
+            if copy is not None:
+                copies[name] = copy
+        self.prefix = copies
         if any(m.seq <= st.acked for m in self.mine.values()):
             self.mine = {rid: m for rid, m in self.mine.items() if m.seq > st.acked}
         self.at = asked_at
@@ -126,7 +147,8 @@ class Placer:
     async def _refresh(self) -> None:
         asked_at = asyncio.get_running_loop().time()
         try:
-            call = self.controller.placement_state.remote(self.id, tuple(self.handles))
+            copies = {n: (c.epoch, c.version) for n, c in self.prefix.items()}
+            call = self.controller.placement_state.remote(self.id, tuple(self.handles), copies)
             self.apply(await asyncio.wait_for(call, max(self.max_age_s, 5.0)), asked_at)
         except (ray.exceptions.RayError, TimeoutError):  # restarting: requests go to the controller meanwhile
             pass

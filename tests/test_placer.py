@@ -1,6 +1,6 @@
 """Placement in the gateway (cluster/placer.py) against the controller's own: the same choices for a burst placed
-between two refreshes, every placement counted by the controller, and the controller still placing when the
-gateway's copy cannot (too old, a strategy that reads the prefix index, no replica left)."""
+between two refreshes, every placement counted by the controller, ``prefix`` from copies of the controller's
+prefix indexes, and the controller still placing when the gateway's copy cannot (too old, no replica left)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from actors.report import empty_pool, unreported
 from cluster.config import parse_config
 from cluster.controller import Controller, ReplicaState
 from cluster.placer import Placer
+from cluster.prefix_index import with_prefix
 from cluster.replica_status import ReplicaStatus
 
 
@@ -107,9 +108,8 @@ def test_views_that_count_a_promise_replace_the_gateways_own_count():
 
 def test_the_gateway_waits_for_a_copy_and_the_controller_places_what_the_gateway_cannot():
     """A request that finds no copy, or one older than max_age_s, waits for a new one (one strategy object per
-    gateway); None (the controller places it) when no copy comes, when the strategy reads the controller's prefix
-    index, when every replica in the copy was tried. A replica that died under a request gets nothing more until a
-    copy shows it."""
+    gateway); None (the controller places it) when no copy comes, when every replica in the copy was tried. A replica
+    that died under a request gets nothing more until a copy shows it."""
     import ray
 
     async def run():
@@ -130,11 +130,6 @@ def test_the_gateway_waits_for_a_copy_and_the_controller_places_what_the_gateway
 
         down = Placer(Remote(Down()), refresh_s=0.01, max_age_s=0.05)
         assert await down.place("d", 1, [], 1) is None and down.at is None
-
-        prefix = Placer(Remote(controller("prefix")), refresh_s=3600)
-        await refreshed(prefix)
-        assert prefix.strategy_name == "prefix" and await prefix.place("p", 1, [], 1) is None
-        await prefix.aclose()
 
     asyncio.run(run())
 
@@ -170,3 +165,62 @@ def test_the_gateway_places_from_views_unless_told_not_to():
     assert Dispatcher(cfg, object()).placer is not None
     off = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"placement_refresh_s": 0}})
     assert Dispatcher(off, object()).placer is None and Dispatcher(cfg, None).placer is None
+
+
+def test_prefix_places_in_the_gateway_from_copies_of_the_controllers_indexes():
+    """Under ``prefix`` the gateway places from copies of the controller's prefix indexes, brought up to date by each
+    refresh with the changes since (only what changed travels), and chooses as the controller would: a prompt goes
+    where its blocks are, a removal there moves the next one, and a strategy that reads no prefixes drops the copies.
+    Negative control: the same gateway without its copies sends the prompt elsewhere."""
+    from actors.report import PrefixDelta
+    from vtoken.prefix_hash import prefix_hashes
+
+    prompt = prefix_hashes(list(range(64)), 16)  # 4 blocks
+
+    def report(ctl, name, delta):
+        r = ctl.replicas[name].report._replace(healthy=True, prefix=delta)
+        return ctl.report(name, r)
+
+    async def run(forget: bool):
+        ctl = controller("prefix")
+        placer = Placer(Remote(ctl), refresh_s=3600)
+        await report(ctl, "a", PrefixDelta(1, prompt))  # "a" is the busier one: weighted alone sends to "b"
+        await refreshed(placer)
+        assert set(placer.prefix) == {"a"} and list(placer.prefix["a"].hashes) == list(ctl.prefix["a"].hashes)
+        if forget:
+            placer.prefix.clear()
+        theirs = ctl.strategy.choose(with_prefix(ctl._views(), ctl.prefix, prompt), 4).name
+        first = (await placer.place("q1", 4, [], 100, prompt))[0]
+        await report(ctl, "a", PrefixDelta(2, (), prompt[:1]))  # its first block went: nothing left to read there
+        await report(ctl, "b", PrefixDelta(1, prompt))
+        asked = []
+        ctl_state = ctl.placement_state
+
+        async def placement_state(*args):
+            asked.append(args[2])
+            st = await ctl_state(*args)
+            asked.append(st.prefix)
+            return st
+
+        ctl.placement_state = placement_state
+        await refreshed(placer)
+        second = (await placer.place("q2", 4, [], 100, prompt))[0]
+        await placer.aclose()
+        return theirs, first, second, asked, placer, ctl
+
+    theirs, first, second, asked, placer, ctl = asyncio.run(run(forget=False))
+    assert first == theirs == "a" and second == "b"
+    have, sent = asked
+    assert set(have) == {"a"}  # the copies it holds, by (epoch, version)
+    assert sent["a"].full is None and sent["a"].changes == (((), prompt[:1]),)  # "a": its one change
+    assert sent["b"].full == prompt  # "b": new, whole
+    assert {n: list(c.hashes) for n, c in placer.prefix.items()} == {n: list(i.hashes) for n, i in ctl.prefix.items()}
+
+    async def switch():
+        await ctl.set_placement("weighted")
+        ctl.placement_state = Controller.placement_state.__get__(ctl)
+        await refreshed(placer)
+        return placer.prefix
+
+    assert asyncio.run(switch()) == {}
+    assert asyncio.run(run(forget=True))[1] == "b"

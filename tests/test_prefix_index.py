@@ -1,7 +1,8 @@
 """What a replica's prefix cache holds, from vLLM's KV events to the controller's index (issue 43, item 2), without an
 engine or Ray: the hash chain the gateway computes, the replica's PrefixTracker (vLLM's hashes -> ours, deltas), the
 controller's PrefixIndex (deltas in order, a snapshot after a gap), and the controller itself following stores,
-removals, restarts, gaps and deaths. Integrity is checked after every operation."""
+removals, restarts, gaps and deaths, and a gateway's copy of an index following it. Integrity is checked after
+every operation."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from actors.prefix_tracker import PrefixTracker
 from actors.report import PrefixDelta
-from cluster.prefix_index import PrefixIndex
+from cluster import prefix_index
+from cluster.prefix_index import PrefixIndex, with_prefix
 from vtoken.prefix_hash import ROOT, block_hash, prefix_hashes
 
 BS = 4
@@ -172,6 +174,87 @@ def test_negative_control_an_index_that_applies_deltas_across_a_gap_drifts():
     assert not all(replay(seed, lambda: Trusting(capacity=24)) for seed in range(20))
 
 
+# ------------------------------------------------------------------------------ a gateway's copy of an index
+def test_a_copy_follows_its_index_by_changes_and_by_the_whole_after_a_new_epoch(monkeypatch):
+    monkeypatch.setattr(prefix_index, "LOG", 2)
+    ix = PrefixIndex(capacity=4)
+    ix.apply(PrefixDelta(1, (1, 2, 3)))
+    u = ix.since(0, 0)  # a gateway without a copy
+    assert u.full == (1, 2, 3) and u.changes == ()
+    copy = PrefixIndex.copy_of(u)
+    copy.follow(u)
+    assert list(copy.hashes) == [1, 2, 3] and ix.since(copy.epoch, copy.version) is None
+    ix.apply(PrefixDelta(2, (4, 5, 6), (2,)))  # over capacity: 1, the oldest, goes, in the copy too
+    ix.apply(PrefixDelta(2))  # nothing changed: no new version
+    u = ix.since(copy.epoch, copy.version)
+    assert u.full is None and u.changes == (((4, 5, 6), (2,)),)
+    copy.follow(u)
+    copy.check_integrity()
+    assert list(copy.hashes) == list(ix.hashes) == [3, 4, 5, 6]
+    for seq in (3, 4, 5):  # three changes, two kept: a copy three behind gets the whole index
+        ix.apply(PrefixDelta(seq, (10 + seq,)))
+    assert ix.since(copy.epoch, copy.version).full == tuple(ix.hashes)
+    assert ix.since(copy.epoch, ix.version - 2).changes == (((14,), ()), ((15,), ()))
+    ix.apply(PrefixDelta(6, (7,), full=True))  # a snapshot: a new epoch, whatever the copy's version
+    u = ix.since(copy.epoch, copy.version)
+    assert u.epoch != copy.epoch and u.full == (7,)
+    stale = ix.since(copy.epoch, copy.version)
+    copy.follow(u)
+    ix.apply(PrefixDelta(7, (8,)))
+    copy.follow(stale._replace(full=None, changes=(((9,), ()),), version=copy.version + 1, epoch=123))
+    assert copy.epoch == 0 and len(copy) == 0  # an update for another copy: emptied, asks for the whole again
+    copy.follow(ix.since(copy.epoch, copy.version))
+    assert list(copy.hashes) == list(ix.hashes) == [7, 8]
+    copy.check_integrity()
+    ix.check_integrity()
+
+
+def follow_replay(seed: int, new_index=lambda: PrefixIndex(capacity=12)) -> bool:
+    """Random deltas, gaps and snapshots on an index (as ``replay`` drives it); a copy that asks for its update now
+    and then, some answers lost on the way. True when the copy, after every update it applied, held exactly the
+    index's hashes in the index's order (the order decides which go first at the bound)."""
+    rng = random.Random(seed)
+    t, index = PrefixTracker(BS, capacity=12), new_index()
+    copy: PrefixIndex | None = None
+    seqs: list[list[int]] = [[rng.randrange(6) for _ in range(BS * rng.randrange(1, 5))] for _ in range(8)]
+    snapshot = False
+    for _ in range(150):
+        if rng.random() < 0.5:
+            stored(t, rng.choice(seqs))
+        elif t.engine:
+            t.removed([rng.choice(list(t.engine))])
+        if rng.random() < 0.5:
+            d = t.cut(full=snapshot)
+            snapshot = rng.random() < 0.1 or not index.apply(d)  # and now and then a report lost
+        if rng.random() < 0.3:
+            u = index.since(*((copy.epoch, copy.version) if copy is not None else (0, 0)))
+            if rng.random() < 0.3 or u is None:  # the answer lost, or nothing to follow
+                continue
+            copy = copy if copy is not None else PrefixIndex.copy_of(u)
+            copy.follow(u)
+            copy.check_integrity()
+            if list(copy.hashes) != list(index.hashes):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_copy_that_follows_now_and_then_equals_its_index(seed, monkeypatch):
+    monkeypatch.setattr(prefix_index, "LOG", 3)  # copies often fall further behind than the log reaches
+    assert follow_replay(seed)
+
+
+def test_negative_control_an_index_that_never_sends_the_whole_leaves_its_copy_wrong(monkeypatch):
+    monkeypatch.setattr(prefix_index, "LOG", 3)
+
+    class ChangesOnly(PrefixIndex):
+        def since(self, epoch, version):  # its kept changes, however far behind the copy or of another epoch
+            u = super().since(epoch, version)
+            return u._replace(full=None, changes=tuple(self.log)) if u is not None and u.full is not None else u
+
+    assert not all(follow_replay(seed, lambda: ChangesOnly(capacity=12)) for seed in range(20))
+
+
 # ------------------------------------------------------------------------------ the controller
 def _controller(names=("a", "b")):
     import time
@@ -199,7 +282,7 @@ def _report(ctl, name, delta, incarnation="i1", healthy=True):
 
 def _hits(ctl, prompt: list[int]) -> dict[str, int]:
     prefix = prefix_hashes(prompt, BS)
-    return {v.name: v.prefix_blocks for v in (ctl._with_prefix(v, prefix) for v in ctl._views())}
+    return {v.name: v.prefix_blocks for v in with_prefix(ctl._views(), ctl.prefix, prefix)}
 
 
 def test_the_controller_index_follows_stores_removals_restarts_gaps_and_deaths():
