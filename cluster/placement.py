@@ -44,6 +44,11 @@ class ReplicaView(NamedTuple):
         """The share of the prompt's full blocks it would read from its cache."""
         return self.prefix_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
 
+    def matched(self, prompt_blocks: int, prefix_blocks: int) -> ReplicaView:
+        """This view for a prompt of ``prompt_blocks`` full blocks of which the replica holds ``prefix_blocks``.
+        (``_replace`` builds through keywords: at 256 replicas, a third of a decision's time.)"""
+        return tuple.__new__(ReplicaView, (*self[:-2], prompt_blocks, prefix_blocks))
+
     @property
     def requests(self) -> int:
         """Requests there by the controller's count: running and waiting by its last report, and placed since."""
@@ -183,6 +188,8 @@ class Prefix(PlacementStrategy):
             return r.effective_free >= need_blocks, not r.stale, score[r.name] + prefix * r.prefix_share, r.name
 
         fallback = max(replicas, key=lambda r: rank(r, 0.0))
+        if all(r.prefix_share < self.min_share for r in replicas):  # no match worth a busier replica: the common case
+            return fallback
         best = max(replicas, key=lambda r: rank(r, self.w_prefix))
         if best is fallback or best.prefix_share < self.min_share or self.overloaded(best, replicas, need_blocks):
             return fallback

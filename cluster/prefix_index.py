@@ -159,5 +159,5 @@ def with_prefix(views: Iterable[Any], indexes: dict[str, PrefixIndex], prefix: S
     for v in views:
         index = indexes.get(v.name)
         hit = index.match(prefix) if index is not None and prefix else 0
-        out.append(v._replace(prompt_blocks=len(prefix), prefix_blocks=hit))
+        out.append(v.matched(len(prefix), hit))
     return out

@@ -69,3 +69,37 @@ def test_prefix_ignores_a_match_under_a_tenth_of_the_prompt_and_otherwise_is_wei
     assert p.choose(small, 4).name == "a"  # 1 of 20 blocks: under min_share
     none = [v._replace(prompt_blocks=0, prefix_blocks=0) for v in views]  # a prompt shorter than a block
     assert p.choose(none, 4).name == "a" and "prefix" in STRATEGIES
+
+
+def test_a_view_matched_to_a_prompt_is_the_view_with_its_two_prefix_fields_replaced():
+    v = ReplicaView("a", 60, 64, promised=3, running=1, waiting=2, blocks_reclaimed=4, stale=True, pending=5,
+                    tokens_to_go=200, prompt_blocks=1, prefix_blocks=1)  # fmt: skip
+    m = v.matched(10, 7)
+    assert m == v._replace(prompt_blocks=10, prefix_blocks=7) and type(m) is ReplicaView and m.prefix_share == 0.7
+
+
+def test_prefix_chooses_as_its_rule_says_on_random_views():
+    """The shortcut (no match worth a busier replica: the weighted choice at once) changes no choice: against the
+    rule computed in full, on random views."""
+    import random
+
+    def by_rule(p, views, need):
+        score = p.weighted.scores(views)
+
+        def rank(r, prefix):
+            return r.effective_free >= need, not r.stale, score[r.name] + prefix * r.prefix_share, r.name
+
+        fallback, best = max(views, key=lambda r: rank(r, 0.0)), max(views, key=lambda r: rank(r, p.w_prefix))
+        if best is fallback or best.prefix_share < p.min_share or p.overloaded(best, views, need):
+            return fallback
+        return best
+
+    rng, p = random.Random(0), make_strategy("prefix")
+    for _ in range(2000):
+        prompt = rng.randrange(0, 40)
+        views = [ReplicaView(f"r{i}", rng.randrange(0, 64), 64, running=rng.randrange(4), waiting=rng.randrange(3),
+                             pending=rng.randrange(3), tokens_to_go=rng.randrange(0, 9000), stale=rng.random() < 0.1,
+                             prompt_blocks=prompt, prefix_blocks=rng.randrange(0, prompt + 1) if prompt else 0)
+                 for i in range(rng.randrange(1, 6))]  # fmt: skip
+        need = rng.randrange(1, 40)
+        assert p.choose(views, need) is by_rule(p, views, need)
