@@ -132,10 +132,11 @@ class ReplicaConfig(_Strict):
 
 class PlacementConfig(_Strict):
     strategy: str = Field(
-        "weighted",
-        description="weighted (the default: free share less the work left, in tokens, and waiting requests, "
-        "the best in `vtoken bench fleet`), prefix (weighted plus the share of the prompt a replica's prefix cache "
-        "holds, with a balance guard), free_blocks, round_robin, power_of_two or best_fit",
+        "prefix",
+        description="prefix (the default: weighted plus the share of the prompt a replica's prefix cache holds, "
+        "with a balance guard; as weighted where no replica holds a tenth of the prompt), weighted (free share less "
+        "the work left, in tokens, and waiting requests, the best in `vtoken bench fleet`), free_blocks, "
+        "round_robin, power_of_two or best_fit",
     )
     stale_after_s: float = Field(
         3.0,
@@ -241,8 +242,8 @@ class GatewayConfig(_Strict):
         0.1,
         ge=0,
         description="how often the gateway refreshes its copy of the replicas' views, from which it places requests "
-        "without a call to the controller each (cluster/placer.py; placement.strategy prefix always asks the "
-        "controller); 0: every request asks the controller",
+        "without a call to the controller each (cluster/placer.py; under placement.strategy prefix, with copies of "
+        "the replicas' prefix indexes); 0: every request asks the controller",
     )
     token_channel: Literal["zmq", "ray"] = Field(
         "zmq",
