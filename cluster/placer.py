@@ -16,9 +16,8 @@ the replicas' prefix indexes (``prefix``), the copy holds copies of them too, ea
 refresh by the changes since (cluster/prefix_index.py): a conversation's next turn, seconds after its last, finds
 the blocks its last turn left as the controller's index does. The controller still places a request
 (``Controller.place``, as before) when no copy comes (a controller restarting) and when no replica in the copy is
-left to try. A strategy switched live
-(``Controller.set_placement``) reaches the gateway with its next refresh: at the latest with the first request
-``max_age_s`` after the switch.
+left to try. A strategy switched live (``Controller.set_placement``) reaches the gateway with its next refresh: at
+the latest with the first request ``max_age_s`` after the switch.
 """
 
 from __future__ import annotations
