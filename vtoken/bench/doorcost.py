@@ -25,6 +25,7 @@ from typing import Any
 
 from vtoken.bench.engine_run import log
 from vtoken.bench.report import Table
+from vtoken.bench.serve import geomean_interval
 
 ROOT = Path(__file__).resolve().parents[2]
 LATENCY = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
@@ -115,32 +116,50 @@ def run(args) -> dict:
 
 
 def summary(rounds: list[dict], levels: list[int]) -> dict[str, Any]:
-    """Each figure's median over rounds, per tree, and this tree's over the other's."""
-    out: dict[str, Any] = {}
+    """Each figure's median over rounds, per tree, and this tree's over the other's; with the round-by-round ratios
+    (the two trees of a round ran back to back) and their geometric mean's 95% interval (three rounds or more). On a
+    machine whose engine speed changes from one server start to the next, the interval says what the rounds can
+    tell apart."""
+    per_round: dict[str, list[dict[str, float]]] = {}
     for key in ("gateway_and_client_ms", "total_ms", "tpot_median_ms"):
-        per = {t: statistics.median(r[t]["cpu"][key] for r in rounds) for t in ("this", "against")}
-        out[f"cpu.{key}"] = {**per, "ratio": per["this"] / per["against"] if per["against"] else None}
+        per_round[f"cpu.{key}"] = [{t: r[t]["cpu"][key] for t in ("this", "against")} for r in rounds]
     for c in levels:
         for key in LATENCY:
-            per = {t: statistics.median(r[t]["streams"][str(c)][key] for r in rounds) for t in ("this", "against")}
-            out[f"c{c}.{key}"] = {**per, "ratio": per["this"] / per["against"] if per["against"] else None}
+            per_round[f"c{c}.{key}"] = [{t: r[t]["streams"][str(c)][key] for t in ("this", "against")} for r in rounds]
+    out: dict[str, Any] = {}
+    for name, values in per_round.items():
+        per = {t: statistics.median(v[t] for v in values) for t in ("this", "against")}
+        ratios = [v["this"] / v["against"] for v in values if v["this"] and v["against"]]
+        out[name] = {
+            **per,
+            "ratio": per["this"] / per["against"] if per["against"] else None,
+            "round_ratios": [round(x, 4) for x in ratios],
+            "geomean_ci95": geomean_interval(ratios) if len(ratios) == len(values) else None,
+        }
     return out
 
 
 def tables(result: dict) -> list[Table]:
     t, a = result["trees"]["this"], result["trees"]["against"]
-    rows = [[name, f"{v['against']:.2f}", f"{v['this']:.2f}", "-" if v["ratio"] is None else f"{v['ratio']:.3f}"]
-            for name, v in result["summary"].items()]  # fmt: skip
+
+    def interval(v: dict) -> str:
+        ci = v.get("geomean_ci95")
+        return "-" if not ci else f"{ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}]"
+
+    rows = [[name, f"{v['against']:.2f}", f"{v['this']:.2f}", "-" if v["ratio"] is None else f"{v['ratio']:.3f}",
+             interval(v)] for name, v in result["summary"].items()]  # fmt: skip
     load = result["load"]
+    columns = ["figure", f"{a['commit']} (against)", f"{t['commit']} (this)", "this / against", "by round [95%]"]
     return [
         Table(
             f"The door's cost ({result['model']}, one replica, vToken off): {t['commit']} against {a['commit']}",
-            ["figure", f"{a['commit']} (against)", f"{t['commit']} (this)", "this / against"],
+            columns,
             rows,
             f"Medians over {len(result['rounds'])} rounds, the trees in turns. cpu.*: one stream at a time, CPU ms per "
             "streamed token (gateway_and_client: the process that runs the gateway and the client; total: every "
-            f"process). c<N>.*: N streams at once (vLLM's client), ms. Load average {load['loadavg_before']:.2f} "
-            f"before, {load['loadavg_after']:.2f} after, {load['cpus']} CPUs. this: {t['subject']}; against: "
-            f"{a['subject']}.",
+            "process). c<N>.*: N streams at once (vLLM's client), ms. by round: the geometric mean of each round's "
+            "ratio (the trees back to back) and its 95% interval (Student's t on the logarithms). Load average "
+            f"{load['loadavg_before']:.2f} before, {load['loadavg_after']:.2f} after, {load['cpus']} CPUs. this: "
+            f"{t['subject']}; against: {a['subject']}.",
         )
     ]
