@@ -35,6 +35,9 @@ from cluster.prefix_index import PrefixIndex, PrefixUpdate, with_prefix
 
 log = logging.getLogger("vtoken.gateway")
 MAX_AGE_S = 0.5  # the oldest copy placed from, at the default refresh (0.1 s)
+# After a change at the controller (a strategy switched, a report with new blocks), the longest until the gateway's
+# next request places from a copy that has it, at the default refresh: what a caller that just made one waits.
+SETTLE_S = MAX_AGE_S + 0.1
 
 
 class PlacementState(NamedTuple):

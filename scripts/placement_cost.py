@@ -46,7 +46,7 @@ def main() -> None:
 
     import ray
 
-    from cluster.placer import MAX_AGE_S
+    from cluster.placer import SETTLE_S
     from cluster.server import BackgroundServer, start_ray
     from vtoken.bench import machine
     from vtoken.bench import serve as bench_serve
@@ -69,7 +69,7 @@ def main() -> None:
             order = strategies if i % 2 == 0 else strategies[::-1]
             for j, s in enumerate(order):
                 ray.get(served.controller.set_placement.remote(s), timeout=60)
-                time.sleep(MAX_AGE_S + 0.1)  # the gateway's next request waits for a copy with the new strategy
+                time.sleep(SETTLE_S)  # until the gateway places by the new strategy
                 n = args.prompts_per_stream * args.concurrency
                 r = bench_serve.client(a, url, folder, float("inf"), tmp, seed=100 + len(strategies) * i + j,
                                        num_prompts=n)  # fmt: skip

@@ -18,7 +18,7 @@ import pytest
 from cluster_harness import ensure_ray, generate, status, stub, wait_for
 
 from cluster.config import PlacementConfig, parse_config
-from cluster.placer import MAX_AGE_S
+from cluster.placer import SETTLE_S
 from cluster.proto import vtoken_pb2 as pb
 from cluster.server import BackgroundServer
 from vtoken.bench.goodput import KV_BYTES, run_load, skewed_load
@@ -125,9 +125,9 @@ def test_a_conversation_follows_its_prefix_cache_on_real_replicas(served):
             # for fresh reports, and a miss shows what placement saw.
             wait_for(lambda: all(0 <= r["report_age_s"] < 2.0 for r in status(st)["replicas"]), timeout=30,
                      what="fresh reports from every replica")  # fmt: skip
-            # The gateway places from its copy of the controller's index, up to MAX_AGE_S old (cluster/placer.py):
-            # a turn sent sooner after its blocks reached the controller may not find them there yet.
-            time.sleep(MAX_AGE_S + 0.1)
+            # The gateway places from its copy of the controller's index (cluster/placer.py): a turn sent sooner than
+            # SETTLE_S after its blocks reached the controller may not find them there yet.
+            time.sleep(SETTLE_S)
             seen.append([{f: r[f] for f in ("name", "report_age_s", "prefix_blocks", "free_blocks", "running",
                                             "waiting")} for r in status(st)["replicas"]])  # fmt: skip
             out = generate(st, prompt=first + " and" * k, max_tokens=4, temperature=0.0, ignore_eos=True)

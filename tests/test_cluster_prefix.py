@@ -12,7 +12,7 @@ import ray
 from cluster_harness import config, ensure_ray, generate, status, stub, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.placer import MAX_AGE_S
+from cluster.placer import SETTLE_S
 from cluster.server import BackgroundServer
 from cluster.status import render_table
 
@@ -42,6 +42,6 @@ def test_a_conversation_follows_its_cache_and_the_hit_rate_shows():
         assert hits[first] == rows[first]["prefix_hits"] and set(hits) == set(rows)
         # the same conversation under round_robin is spread over both replicas: the cache is no reason to it
         ray.get(s.controller.set_placement.remote("round_robin"), timeout=30)
-        time.sleep(MAX_AGE_S + 0.1)  # the gateway's next request waits for a copy with the new strategy
+        time.sleep(SETTLE_S)  # until the gateway places by the new strategy
         spread = {generate(st, SYSTEM + "turn 1" + " and more" * k, max_tokens=2)[-1].replica for k in range(2)}
         assert len(spread) == 2

@@ -243,7 +243,7 @@ def serve_config(args, name: str, replicas: int, vtoken: dict, kv_bytes: int, st
 def run(args) -> dict:
     import ray
 
-    from cluster.placer import MAX_AGE_S
+    from cluster.placer import SETTLE_S
     from cluster.server import BackgroundServer, start_ray
 
     a = {**vars(args), **(QUICK if args.quick else {})}
@@ -269,7 +269,7 @@ def run(args) -> dict:
                 # 1. placement on two replicas: each strategy on conversations of its own
                 for i, s in enumerate(strategies if "placement" in parts else ()):
                     ray.get(served.controller.set_placement.remote(s), timeout=60)
-                    time.sleep(MAX_AGE_S + 0.1)  # the gateway's next request waits for a copy with the new strategy
+                    time.sleep(SETTLE_S)  # until the gateway places by the new strategy
                     log(f"[placement] {s}: {args.conversations} conversations")
                     out["placement"][s] = phase(url, model, conversations(args, args.seed, args.seed + 1 + i), args)
                 if "single" in parts:
