@@ -239,3 +239,34 @@ def test_serve_rounds_interval_is_students_t_on_the_log_ratios():
         [math.exp(m), math.exp(m - half), math.exp(m + half)]
     )
     assert geomean_interval([1.0, 1.1]) is None
+
+
+def test_doorcost_summary_pairs_each_round():
+    """`bench doorcost`'s summary: medians per tree, and each round's ratio of the two trees (not the ratio of the
+    medians) with its interval. Three rounds whose ratios are all 1.1 give 1.1 by round although the medians' ratio
+    is 1.0 (the trees' speeds cross between rounds); two rounds give no interval."""
+    from vtoken.bench.doorcost import summary, tables
+
+    def rnd(this, against):
+        cpu = {"gateway_and_client_ms": 1.0, "total_ms": 10.0, "tpot_median_ms": 8.0}
+        streams = {k: v for k, v in zip(("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms"),
+                                        (this, 2 * this, 10.0, 20.0))}  # fmt: skip
+        other = {**streams, "median_ttft_ms": against, "p99_ttft_ms": 2 * against}
+        return {"this": {"cpu": cpu, "streams": {"16": streams}}, "against": {"cpu": cpu, "streams": {"16": other}}}
+
+    rounds = [rnd(110.0, 100.0), rnd(220.0, 200.0), rnd(165.0, 150.0)]
+    s = summary(rounds, [16])
+    ttft = s["c16.median_ttft_ms"]
+    assert (ttft["this"], ttft["against"]) == (165.0, 150.0) and ttft["ratio"] == pytest.approx(1.1)
+    assert ttft["round_ratios"] == [1.1, 1.1, 1.1] and ttft["geomean_ci95"] == pytest.approx([1.1] * 3)
+    rounds[1] = rnd(100.0, 200.0)  # this tree twice as fast in one round: the interval widens
+    s = summary(rounds, [16])
+    lo, hi = s["c16.median_ttft_ms"]["geomean_ci95"][1:]
+    assert lo < 0.5 and hi > 1.1
+    assert summary(rounds[:2], [16])["c16.median_ttft_ms"]["geomean_ci95"] is None
+    trees = {"this": {"commit": "a", "subject": ""}, "against": {"commit": "b", "subject": ""}}
+    load = {"loadavg_before": 0, "loadavg_after": 0, "cpus": 2}
+    table = tables({"trees": trees, "model": "m", "rounds": rounds, "summary": s, "load": load})[0]
+    row = next(r for r in table.rows if r[0] == "c16.median_ttft_ms")
+    g, lo, hi = s["c16.median_ttft_ms"]["geomean_ci95"]
+    assert row[-1] == f"{g:.3f} [{lo:.3f}, {hi:.3f}]"
