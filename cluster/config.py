@@ -236,6 +236,56 @@ class GatewayConfig(_Strict):
         description="longest a request's chat template may render (beyond, HTTP 413 / RESOURCE_EXHAUSTED; the stuck "
         "thread is replaced); sets vLLM's VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT in the gateway",
     )
+    max_n: int = Field(
+        128, ge=1, le=16384, description="most sequences a request may ask for (n, best_of; OpenAI's cap); beyond, 400"
+    )
+    max_request_tokens: int = Field(
+        1 << 20,
+        gt=0,
+        description="most tokens one request may make the fleet hold: n x prompts x (prompt + max tokens, the "
+        "context's length when unset); beyond, 400 naming the field, before anything is built for it",
+    )
+    max_inflight_tokens: int = Field(
+        1 << 22,
+        gt=0,
+        description="admission by work: the requests in flight over both doors hold at most this many tokens of "
+        "work (a request's body size bounds its prompts until they are rendered); beyond, 429. A request alone is "
+        "always admitted (cluster/work.py)",
+    )
+    parse_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="longest a request may take from admission to its rendered prompt (chat template, tokenizing; "
+        "for /tokenize and the render routes, the whole answer); beyond, HTTP 413 / RESOURCE_EXHAUSTED",
+    )
+    max_parse_pending: int = Field(
+        32,
+        ge=1,
+        description="requests admitted but not yet rendered, over both doors, at once (they share the parse_workers "
+        "threads); beyond, HTTP 503 / UNAVAILABLE",
+    )
+    grammar_workers: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="processes that check structured outputs (JSON schemas, regexes, grammars) off the gateway's "
+        "event loop and heap (cluster/grammar_pool.py; ~0.6 GB each)",
+    )
+    grammar_timeout_s: float = Field(
+        5.0, gt=0, description="longest a structured output's check may take; beyond, 413 naming the field"
+    )
+    max_grammar_pending: int = Field(
+        64, ge=0, description="requests waiting for a grammar worker at once; beyond, HTTP 503 / UNAVAILABLE"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="longest a client may take to send its request body; beyond, HTTP 408"
+    )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest the gateway waits for a client to take a piece of its answer (a client that stopped "
+        "reading); beyond, the answer is ended, its request aborted and its slot freed",
+    )
     max_attempts: int = Field(3, ge=1, description="placements tried for a request that streamed nothing yet")
     place_timeout_s: float = Field(30.0, gt=0, description="longest wait for a live replica before UNAVAILABLE")
     placement_refresh_s: float = Field(

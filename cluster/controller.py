@@ -36,7 +36,7 @@ from actors.report import ReplicaReport, prefix_capacity
 from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
 from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
-from cluster.placement import ReplicaView, make_strategy
+from cluster.placement import ReplicaView, check_fits, make_strategy
 from cluster.placer import PlacementState
 from cluster.prefix_index import PrefixIndex, with_prefix
 from cluster.replica_status import ReplicaStatus
@@ -302,6 +302,7 @@ class Controller(ReplicaLifecycle):
         views = with_prefix((v for v in self._views() if v.name not in exclude), self.prefix, prefix)
         if not views:
             return None
+        check_fits(views, need_blocks)
         v = self.strategy.choose(views, need_blocks)
         self.promises[request_id] = Promise(v.name, need_blocks, time.monotonic(), tokens)
         self.placements[self.cfg.placement.strategy, v.name] += 1

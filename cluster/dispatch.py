@@ -28,6 +28,7 @@ from actors.token_channel import ChannelStream, TokenChannel, Unreachable
 from actors.wire import Chunk, GenerateSpec, merge
 from cluster.config import ServeConfig
 from cluster.metrics import Metrics
+from cluster.placement import TooLarge
 from cluster.placer import Placer
 from cluster.requests import ValidRequest
 from vtoken.core.budget import peak_blocks
@@ -50,6 +51,7 @@ CODES = (
     "unauthenticated",
     "not_found",
     "resource_exhausted",
+    "too_large",  # no replica's pool can ever hold the request, or it is over a gateway bound (HTTP 413)
     "unavailable",
     "deadline_exceeded",
     "internal",
@@ -83,6 +85,8 @@ class Dispatcher:
         self.cfg, self.g, self.controller = cfg, cfg.gateway, controller
         self.metrics = metrics or Metrics(cfg.model)
         self.inflight = 0
+        self.inflight_tokens = 0  # the work of the requests admitted (cluster/work.py)
+        self.parsing = 0  # requests admitted and not yet rendered
         self._node = ray.util.get_node_ip_address() if ray.is_initialized() else ""
         host = self._node if self.g.token_channel_host == "node" else self.g.token_channel_host
         self.channel = TokenChannel(host or "127.0.0.1") if self.g.token_channel == "zmq" else None
@@ -97,20 +101,45 @@ class Dispatcher:
             await self.channel.aclose()
 
     @contextlib.contextmanager
-    def admit(self, door: str):
-        """One request admitted at ``door`` for as long as the block runs (rendering, placement, streaming);
-        Refused("resource_exhausted") when ``max_inflight`` requests of both doors are in already."""
-        if self.inflight >= self.g.max_inflight:
+    def admit(self, door: str, work: int = 0):
+        """One request admitted at ``door`` for as long as the block runs (rendering, placement, streaming), holding
+        ``work`` tokens (cluster/work.py); Refused("resource_exhausted") when ``max_inflight`` requests of both doors
+        are in already, or their work and this one's would pass ``max_inflight_tokens`` (a request alone is always
+        admitted: its own ceilings are checked at the door)."""
+        g = self.g
+        if self.inflight >= g.max_inflight:
             self.metrics.refused(door, "resource_exhausted")
             raise Refused(
                 "resource_exhausted",
-                f"server busy: {self.inflight} requests in flight (limit {self.g.max_inflight}); retry later",
+                f"server busy: {self.inflight} requests in flight (limit {g.max_inflight}); retry later",
+            )
+        if self.inflight and self.inflight_tokens + work > g.max_inflight_tokens:
+            self.metrics.refused(door, "resource_exhausted")
+            raise Refused(
+                "resource_exhausted",
+                f"server busy: {self.inflight_tokens} tokens of work in flight and this request's {work} would pass "
+                f"gateway.max_inflight_tokens ({g.max_inflight_tokens}); retry later",
             )
         self.inflight += 1
+        self.inflight_tokens += work
         try:
             yield
         finally:
             self.inflight -= 1
+            self.inflight_tokens -= work
+
+    def parse_stage(self, door: str) -> ParseStage:
+        """The request's rendering has begun (its ``end()`` when its prompt is rendered, or it ended); Refused
+        ("unavailable") when ``max_parse_pending`` requests are rendering already: they share the parse threads, and
+        one more would only wait behind them."""
+        if self.parsing >= self.g.max_parse_pending:
+            self.metrics.refused(door, "unavailable")
+            raise Refused(
+                "unavailable",
+                f"{self.parsing} requests are being rendered (gateway.max_parse_pending); retry shortly",
+            )
+        self.parsing += 1
+        return ParseStage(self)
 
     def _open(self, name: str, replica: Any, spec: GenerateSpec):
         """The request's chunks from ``replica``: through the token channel, or a Ray stream."""
@@ -163,7 +192,10 @@ class Dispatcher:
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
             work = req.n * (len(req.prompt_token_ids) + req.max_tokens)
-            placed, why = await self._place(rid, need, tried, deadline, work, req.prefix_hashes)
+            try:
+                placed, why = await self._place(rid, need, tried, deadline, work, req.prefix_hashes)
+            except TooLarge as e:
+                raise Refused("too_large", e.args[0], "max_tokens") from None
             if placed is None:
                 raise Refused("unavailable", f"no replica: {why}; retry the request")
             name, replica = placed
@@ -240,6 +272,8 @@ class Dispatcher:
             try:
                 placed = await self._ask_place(rid, need, tried, tokens, t_end, prefix)
                 why = "no live replica can take it"
+            except TooLarge:  # the controller's own answer (Ray makes its error an instance of its cause)
+                raise
             except (ray.exceptions.RayError, TimeoutError) as e:  # the controller is down or restarting
                 placed, why = None, f"the controller is not answering ({type(e).__name__}; Ray restarts it)"
             if placed is not None or loop.time() >= t_end:
@@ -254,6 +288,19 @@ class Dispatcher:
         if placed is None and tried:  # everything else is down: the one that failed may be back
             placed = await asyncio.wait_for(place.remote(rid, need, (), tokens, prefix), timeout)
         return placed
+
+
+class ParseStage:
+    """One request between its admission and its rendered prompt: ``end()`` (idempotent) frees its place among the
+    ``max_parse_pending`` and sets ``done``, which the door's ``parse_timeout_s`` waits on."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher, self.done = dispatcher, asyncio.Event()
+
+    def end(self) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.dispatcher.parsing -= 1
 
 
 def coalesce(chunk: Chunk, stream: Any) -> Chunk:

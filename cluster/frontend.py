@@ -19,6 +19,7 @@ from cluster.config import ServeConfig
 from cluster.requests import RENDER_TIMEOUT_ENV, render_too_long
 
 log = logging.getLogger("vtoken.frontend")
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vllm/envs.py: read by build_app (vllm/entrypoints/launchers/api_server)
 
 
 class Frontend(NamedTuple):
@@ -112,11 +113,20 @@ async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
 
     fe = await asyncio.to_thread(frontend, cfg)
     engine = await asyncio.to_thread(RemoteEngineClient, cfg, fe.vllm_config, dispatcher)
+    engine.grammars.start()
+    if os.environ.pop(DEV_MODE_ENV, "0") not in ("", "0"):
+        # vLLM mounts routes that steer its one engine (reset caches, sleep, collective RPCs) with it: never here
+        log.warning("%s is set in the gateway's environment; vLLM's development routes are not served", DEV_MODE_ENV)
     app = build_app(fe.args, SUPPORTED_TASKS, fe.vllm_config.model_config)
     app.exception_handler(TimeoutError)(_timeout_handler)
     if app.middleware_stack is not None:  # built by vLLM's SageMaker bootstrap: rebuilt with the handler, as it does
         app.middleware_stack = app.build_middleware_stack()
     await init_app_state(engine, app.state, fe.args, SUPPORTED_TASKS)
+    from cluster.template_kwargs import TemplateKwargs
+
+    online = getattr(app.state, "online_renderer", None)
+    kwargs = TemplateKwargs.of(engine.renderer, getattr(online, "chat_template", None))
+    engine.template_variables = kwargs.variables
     return Served(app, engine)
 
 

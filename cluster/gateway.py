@@ -32,10 +32,11 @@ from cluster.capacity import CapacityFeed
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, failure, internal_message  # noqa: F401 (re-exported)
 from cluster.frontend import Served
-from cluster.grpc_requests import parse, render
+from cluster.grpc_requests import parse, render, sampling_fields
 from cluster.proto import vtoken_pb2 as pb
 from cluster.requests import CONTEXT, BadRequest, render_too_long
 from cluster.status import to_proto
+from cluster.work import WorkTally, request_work
 
 log = logging.getLogger("vtoken.gateway")
 SERVICE = pb.DESCRIPTOR.services_by_name["VToken"].full_name
@@ -153,11 +154,28 @@ class Gateway:
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
         """vLLM's serving classes render the request (cluster/grpc_requests.py), the remote engine client streams it
         (the same path as HTTP's); each step's new text, token ids and log-probabilities are one response."""
+        g = self.g
         try:
             msg = parse(raw)
-            with self.dispatcher.admit(DOOR):
-                req = await render(msg, self.state, self.cfg.model_name, self.cfg.vtoken)
-                ctx = req.context
+            context_len = self.engine.model_config.max_model_len
+            work = request_work(DOOR, sampling_fields(msg.sampling), len(raw), g, context_len)
+            with self.dispatcher.admit(DOOR, work.tokens):
+                stage = self.dispatcher.parse_stage(DOOR)
+                try:
+                    req = await asyncio.wait_for(
+                        render(msg, self.state, self.cfg.model_name, self.cfg.vtoken), g.parse_timeout_s
+                    )
+                except TimeoutError as e:
+                    if render_too_long(e) is not None:  # vLLM's own bound on one template: its own message
+                        raise
+                    raise Refused(
+                        "too_large",
+                        f"rendering and tokenizing this request took over {g.parse_timeout_s:g} s "
+                        "(gateway.parse_timeout_s); send a shorter request",
+                    ) from None
+                finally:
+                    stage.end()
+                ctx = req.context._replace(tally=WorkTally(g.max_request_tokens))
                 remaining = context.time_remaining()
                 if remaining is not None and (ctx.deadline_s is None or remaining < ctx.deadline_s):
                     ctx = ctx._replace(deadline_s=remaining)
@@ -181,8 +199,8 @@ class Gateway:
         except BadRequest as e:
             self.dispatcher.metrics.refused(DOOR, "invalid_argument")
             await context.abort(Code.INVALID_ARGUMENT, str(e))
-        except Refused as e:  # admission
-            await context.abort(Code[e.code.upper()], e.message)
+        except Refused as e:  # admission, or rendering past its bound
+            await context.abort(grpc_code(e.code), e.message)
         except asyncio.CancelledError:  # the client cancelled or went away: its fault-free end, one INFO line
             log.info("gRPC request: the client went away; aborted")
             raise
@@ -201,13 +219,18 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
     from vllm.entrypoints.serve import create_error_response
 
     if isinstance(e.__cause__, Refused):
-        return Code[e.__cause__.code.upper()], e.__cause__.message
+        return grpc_code(e.__cause__.code), e.__cause__.message
     err = create_error_response(e).error
     if err.code >= 500:
         rid = uuid.uuid4().hex
         log.error("gRPC request failed (server id %s)", rid, exc_info=e)
         return Code.INTERNAL, internal_message("", rid)
     return GRPC_CODE.get(err.code, Code.INVALID_ARGUMENT), err.message.splitlines()[0]
+
+
+def grpc_code(code: str) -> grpc.StatusCode:
+    """The dispatcher's code as gRPC's (``too_large`` has none of its own: RESOURCE_EXHAUSTED, as HTTP 413 maps)."""
+    return Code.RESOURCE_EXHAUSTED if code == "too_large" else Code[code.upper()]
 
 
 GRPC_CODE = {400: Code.INVALID_ARGUMENT, 404: Code.NOT_FOUND, 413: Code.RESOURCE_EXHAUSTED, 422: Code.INVALID_ARGUMENT,

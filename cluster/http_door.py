@@ -1,18 +1,28 @@
-"""What the HTTP door adds around vLLM's OpenAI app (an ASGI middleware): the bearer token, the body limit, the
-``vtoken`` extension, admission, client disconnects, and statuses that survive streaming.
+"""What the HTTP door adds around vLLM's OpenAI app (an ASGI middleware): the bearer token, the body's bounds, the
+``vtoken`` extension, admission by work, bounded rendering, client disconnects and stalls, and statuses that survive
+streaming. vLLM's serving layer trusts its one engine and its operator; a gateway in front of a fleet cannot.
 
     auth       every path but the open ones (/health) needs ``authorization: Bearer <token>`` (401)
-    body       read whole before anything runs, refused past ``max_request_bytes`` (413); a client gone mid-body is
-               one INFO line (499, which nobody reads); the JSON must be JSON (NaN, Infinity and nesting Python
-               cannot parse are a 400, never an engine's NaN or a 500)
+    headers    a POST with a body has exactly one ``Content-Type``, ``application/json`` (400): the door and vLLM's
+               app must read the same one
+    body       read whole before anything runs, refused past ``max_request_bytes`` (413) or ``body_timeout_s`` (408);
+               a client gone mid-body is one INFO line (499, which nobody reads); the JSON must be JSON (NaN,
+               Infinity and nesting Python cannot parse are a 400, never an engine's NaN or a 500)
     vtoken     the request's own eviction options, popped from the body and checked once (cluster/requests.py),
                carried to the engine client in ``remote_engine.CONTEXT``; vLLM's models never see the field
-    admission  generation paths count against ``max_inflight`` over both doors from here to their end (429)
+    template   ``chat_template_kwargs`` hold only variables the model's chat template reads (400 naming the key,
+               cluster/template_kwargs.py)
+    admission  every route that generates, renders or tokenizes is admitted over both doors from here to its end,
+               weighed by its work (cluster/work.py: ``n`` and ``max_request_tokens`` ceilings are a 400 naming the
+               field; ``max_inflight`` and ``max_inflight_tokens`` a 429)
+    rendering  at most ``max_parse_pending`` requests render at once (503), each for at most ``parse_timeout_s``
+               (413); structured outputs are checked in worker processes (cluster/grammar_pool.py)
     first      a streamed answer's status is held until its first event: a refusal before any output (no replica,
                a deadline, a bad request the engine found) keeps its status as a JSON error, as Ray Serve's
                ingress peeks at its first chunk; vLLM's serving layer would send it as an event after a 200
     gone       a client that disconnects while its answer is computed or streamed cancels it (its request is
-               aborted in its replica at once, its blocks free) and is one INFO line
+               aborted in its replica at once, its blocks free) and is one INFO line; so does one that takes no
+               piece of its answer for ``write_timeout_s``
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from cluster.auth import bearer_ok
 from cluster.dispatch import Refused, internal_message
 from cluster.remote_engine import CONTEXT, RequestContext, vllm_error
 from cluster.requests import EXTENSION, BadRequest, Live, render_too_long, vtoken_options
+from cluster.template_kwargs import check_template_kwargs
+from cluster.work import RENDER, WorkTally, request_work
 
 log = logging.getLogger("vtoken.http")
 DOOR = "http"
@@ -42,14 +54,16 @@ NOT_SERVED = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep", "/kv_even
 GONE_GRACE_S = 1.0  # how long vLLM's app may take to end a request whose client went away before it is cancelled
 # Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/http_gateway.py.
 OWN = frozenset({"/health", "/metrics"})
+OWN_PREFIXES = ("/metrics/",)  # vLLM mounts its own metrics app under /metrics: only the exact path is served
 # Events a streamed answer sends before its engine's first output (Responses' created and in_progress): held with
 # the status, so a refusal before the first output still gets its own.
 PREAMBLE = (b'"type":"response.created"', b'"type":"response.in_progress"')
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
+               413: "RequestTooLargeError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
                504: "TimeoutError"}  # fmt: skip
-STATUS_OF = {"invalid_argument": 400, "resource_exhausted": 429, "unavailable": 503, "deadline_exceeded": 504,
-             "internal": 500, "not_found": 404, "unauthenticated": 401}  # fmt: skip
+STATUS_OF = {"invalid_argument": 400, "resource_exhausted": 429, "too_large": 413, "unavailable": 503,
+             "deadline_exceeded": 504, "internal": 500, "not_found": 404, "unauthenticated": 401}  # fmt: skip
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
@@ -66,8 +80,17 @@ class BodyTooLarge(ValueError):
     pass
 
 
+class BodyTimeout(ValueError):
+    """The body did not arrive within ``gateway.body_timeout_s`` (HTTP 408)."""
+
+
+class ClientStalled(Exception):
+    """The client took no piece of its answer for ``gateway.write_timeout_s``."""
+
+
 class Door:
-    """The middleware around vLLM's app. ``gw`` is the HttpGateway: its config, token, dispatcher and metrics."""
+    """The middleware around vLLM's app. ``gw`` is the HttpGateway: its config, token, dispatcher, metrics, the model's
+    context length and the chat template's variables."""
 
     def __init__(self, app: Any, gw: Any, token: str | None, open_paths: tuple[str, ...], own: Any = None):
         self.app, self.gw, self.token, self.open, self.own = app, gw, token, open_paths, own
@@ -75,7 +98,8 @@ class Door:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, generate = scope["path"], scope["path"] in GENERATE and scope["method"] == "POST"
+        path = scope["path"]
+        generate = path in GENERATE and scope["method"] == "POST"
         if self.token is not None and path not in self.open:
             headers = dict(scope.get("headers") or ())
             if not bearer_ok(headers.get(b"authorization", b"").decode("latin-1"), self.token):
@@ -85,32 +109,40 @@ class Door:
                 return await _reply(send, 401, error_body(401, message), ((b"www-authenticate", b"Bearer"),))
         if self.own is not None and path in OWN:
             return await self.own(scope, receive, send)
-        if path in NOT_SERVED:
+        if path in NOT_SERVED or path.startswith(OWN_PREFIXES):  # /metrics/...: vLLM's metrics app is not ours
             return await _reply(send, 404, error_body(404, f"{path} is not served by vtoken serve"))
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
+        admitted = generate or path in RENDER
         try:
-            body, scope, ctx = await self._read(scope, receive)
+            body, scope, ctx, work = await self._read(scope, receive, path)
         except ClientGone:
             log.info("HTTP POST %s: the client went away mid-body; nothing was started", path)
             if generate:
                 self.gw.metrics.refused(DOOR, "cancelled")
             return
+        except BodyTimeout as e:
+            return await _reply(send, 408, error_body(408, str(e)), ((b"connection", b"close"),))
         except BodyTooLarge as e:
-            return await self._refuse(send, generate, "resource_exhausted", str(e))
+            return await self._refuse(send, generate, "too_large", str(e))
         except BadRequest as e:
             return await self._refuse(send, generate, "invalid_argument", str(e), e.param)
-        if not generate:
+        if not admitted:
             return await self._run(scope, body, receive, send, ctx, path)
-        slot = self.gw.dispatcher.admit(DOOR)
+        slot = self.gw.dispatcher.admit(DOOR, work)
         try:
             slot.__enter__()
+            stage = self.gw.dispatcher.parse_stage(DOOR)
         except Refused as e:  # admission: counted by the dispatcher
+            if e.code != "resource_exhausted":  # the parse stage's refusal: the slot was taken
+                slot.__exit__(None, None, None)
             return await _reply(send, STATUS_OF[e.code], error_body(STATUS_OF[e.code], e.message, e.param))
+        ctx = ctx._replace(parse=stage)
         live = ctx.live
         try:
             await self._run(scope, body, receive, send, ctx, path)
         finally:
+            stage.end()
             live.door_done = True
             if live.n == 0:
                 slot.__exit__(None, None, None)
@@ -120,19 +152,30 @@ class Door:
     async def _refuse(self, send, generate: bool, code: str, message: str, param: str | None = None) -> None:
         if generate:
             self.gw.metrics.refused(DOOR, code)
-        status = 413 if code == "resource_exhausted" else STATUS_OF[code]
-        await _reply(send, status, error_body(status, message, param))
+        await _reply(send, STATUS_OF[code], error_body(STATUS_OF[code], message, param))
 
-    async def _read(self, scope, receive) -> tuple[bytes, dict, RequestContext]:
-        """The body (limited), with the ``vtoken`` extension taken out and checked; the scope it is sent with."""
-        limit = self.gw.g.max_request_bytes
+    async def _read(self, scope, receive, path: str) -> tuple[bytes, dict, RequestContext, int]:
+        """The body (limited in size and time), with the ``vtoken`` extension taken out and checked, the chat
+        template's variables checked; the scope it is sent with, and the request's work (cluster/work.py)."""
+        g = self.gw.g
+        limit = g.max_request_bytes
+        types = [v for k, v in scope.get("headers") or () if k == b"content-type"]
+        if len(types) > 1:  # the door would read one and vLLM's app another: never guess which the client meant
+            raise BadRequest(f"{len(types)} Content-Type headers; send exactly one (application/json)")
         headers = dict(scope.get("headers") or ())
         declared = headers.get(b"content-length", b"").decode("latin-1")
         if declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"request body of {declared} bytes exceeds gateway.max_request_bytes ({limit})")
         parts, size = [], 0
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + g.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(t_end - loop.time(), 0))
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"the request body did not arrive within gateway.body_timeout_s ({g.body_timeout_s:g} s)"
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientGone
             part = message.get("body", b"")
@@ -144,21 +187,33 @@ class Door:
                 break
         body = b"".join(parts)
         ctx = RequestContext(door=DOOR, client_id=headers.get(b"x-request-id", b"").decode("latin-1"), live=Live())
-        if not body or not headers.get(b"content-type", b"").lower().startswith(b"application/json"):
-            return body, scope, ctx  # vLLM's own checks answer
+        if not body:
+            return body, scope, ctx, 1  # vLLM's own checks answer
+        kind = types[0].split(b";")[0].strip().lower() if types else b""
+        if kind != b"application/json":
+            raise BadRequest(
+                f"Content-Type must be application/json for a request body, got {kind.decode('latin-1') or 'none'}"
+            )
         obj = load_json(body)
+        work = request_work(path, obj, size, g, self.gw.max_model_len)
+        if isinstance(obj, dict):
+            check_template_kwargs(obj, self.gw.template_variables, path)
+            grammar = "response_format" if obj.get("response_format") is not None else "structured_outputs"
+            ctx = ctx._replace(tally=WorkTally(g.max_request_tokens), grammar_field=grammar)
         if isinstance(obj, dict) and EXTENSION in obj:
             ctx = ctx._replace(eviction=vtoken_options(obj.pop(EXTENSION), self.gw.cfg.vtoken))
             body = json.dumps(obj).encode()
             rest = [(k, v) for k, v in scope.get("headers") or () if k != b"content-length"]
             scope = {**scope, "headers": [*rest, (b"content-length", str(len(body)).encode())]}
-        return body, scope, ctx
+        return body, scope, ctx, work.tokens
 
     async def _run(self, scope, body: bytes, receive, send, ctx: RequestContext, path: str) -> None:
-        """vLLM's app on the body, with the request's context set; a disconnect cancels it, and a streamed answer's
-        status waits for its first event."""
+        """vLLM's app on the body, with the request's context set; a disconnect cancels it, rendering past
+        ``parse_timeout_s`` is a 413, a client that takes no piece of the answer for ``write_timeout_s`` ends it, and
+        a streamed answer's status waits for its first event."""
         gone = asyncio.Event()
         replayed = False
+        g = self.gw.g
 
         async def app_receive():
             nonlocal replayed
@@ -168,7 +223,15 @@ class Door:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        first = FirstEvent(send)
+        async def timed_send(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), g.write_timeout_s)
+            except TimeoutError:
+                first.done = True  # nothing more goes to a client that takes nothing
+                gone.set()
+                raise ClientStalled from None
+
+        first = FirstEvent(timed_send)
         token = CONTEXT.set(ctx)
         try:
             app = asyncio.ensure_future(self.app(scope, app_receive, first.send))
@@ -176,6 +239,18 @@ class Door:
             CONTEXT.reset(token)
         watch = asyncio.ensure_future(_disconnected(receive))
         try:
+            if ctx.parse is not None and not await _rendered_in_time(ctx.parse, {app, watch}, g.parse_timeout_s):
+                gone.set()
+                app.cancel()
+                with contextlib.suppress(BaseException):
+                    await app
+                log.info("HTTP POST %s: rendering took over gateway.parse_timeout_s; refused", path)
+                if not first.started:
+                    message = (f"rendering and tokenizing this request took over {g.parse_timeout_s:g} s "
+                               "(gateway.parse_timeout_s); send a shorter request")  # fmt: skip
+                    first.done = True
+                    await _reply(send, 413, error_body(413, message))
+                return
             await asyncio.wait({app, watch}, return_when=asyncio.FIRST_COMPLETED)
             if app.done():
                 app.result()
@@ -192,10 +267,37 @@ class Door:
             where = "mid-stream" if first.streaming else "while waiting for its answer"
             log.info("HTTP POST %s: the client went away %s; aborted", path, where)
         except Exception as e:  # an error the app let out: vLLM's mapping if nothing was sent yet, else an event
+            if _caused_by(e, ClientStalled):
+                log.info("HTTP POST %s: the client took nothing for gateway.write_timeout_s (%g s); ended, aborted",
+                         path, g.write_timeout_s)  # fmt: skip
+                return
             await first.fail(e)
         finally:
             watch.cancel()
             gone.set()
+
+
+async def _rendered_in_time(stage: Any, running: set, timeout_s: float) -> bool:
+    """Wait until the request's prompt is rendered or ``running`` (the app, the disconnect watch) has an end: False
+    when ``timeout_s`` passed first."""
+    rendered = asyncio.ensure_future(stage.done.wait())
+    try:
+        done, _ = await asyncio.wait({rendered, *running}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        rendered.cancel()
+    return bool(done)
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    """``e`` is, or was raised from (cause, context, a group of one), a ``kind``."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, kind):
+            return True
+        if isinstance(e, BaseExceptionGroup):
+            return any(_caused_by(x, kind) for x in e.exceptions)
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 class FirstEvent:

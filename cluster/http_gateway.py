@@ -41,6 +41,8 @@ class HttpGateway:
         self.cfg, self.g, self.controller, self.dispatcher = cfg, cfg.gateway, controller, dispatcher
         self.metrics = dispatcher.metrics
         self.vllm_app = served.app
+        self.max_model_len = served.engine.model_config.max_model_len  # what bounds a request's max tokens
+        self.template_variables = served.engine.template_variables  # what chat_template_kwargs may set
         self.own = Starlette(routes=[Route("/health", self.health), Route("/metrics", self.scrape)])
         self.server: _Server | None = None
         self._task: asyncio.Task | None = None

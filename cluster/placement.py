@@ -68,6 +68,23 @@ def promised_per_replica(promises: Iterable[Any]) -> tuple[collections.Counter[s
     return blocks, count, tokens
 
 
+class TooLarge(Exception):
+    """No replica's pool can ever hold the request (its blocks at their peak over the largest pool): placing it would
+    only queue it forever ahead of others. The message names both numbers."""
+
+
+def check_fits(replicas: Iterable[ReplicaView], need_blocks: int) -> None:
+    """Raise TooLarge when ``need_blocks`` is over every replica's whole pool (replicas that report no pool yet are
+    given the benefit of the doubt)."""
+    largest = max((r.total_blocks for r in replicas), default=0)
+    if largest and need_blocks > largest:
+        raise TooLarge(
+            f"the request needs {need_blocks} KV blocks at its peak (n x (prompt + max tokens), under its eviction "
+            f"budget) and the largest replica's pool holds {largest}: no replica can ever serve it; ask for fewer "
+            "tokens or sequences"
+        )
+
+
 class PlacementStrategy(ABC):
     # Whether choose() reads ``prefix_blocks``: the replicas' prefix indexes, of which the controller then sends
     # each gateway what its copies need (cluster/placer.py).

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import ray
 
-from cluster.placement import PlacementStrategy, ReplicaView, make_strategy, promised_per_replica
+from cluster.placement import PlacementStrategy, ReplicaView, check_fits, make_strategy, promised_per_replica
 from cluster.prefix_index import PrefixIndex, PrefixUpdate, with_prefix
 
 log = logging.getLogger("vtoken.gateway")
@@ -109,6 +109,7 @@ class Placer:
             blocks, count, work = promised_per_replica(self.mine.values())
             views = [v._replace(promised=v.promised + blocks[v.name], pending=v.pending + count[v.name],
                                 tokens_to_go=v.tokens_to_go + work[v.name]) for v in views]  # fmt: skip
+        check_fits(views, need)
         v = s.choose(views, need)
         self.seq += 1
         self.mine[rid] = Mine(self.seq, v.name, need, tokens)

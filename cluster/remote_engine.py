@@ -37,13 +37,15 @@ from vllm.v1.engine.input_processor import InputProcessor
 from actors.wire import sampling_kwargs, to_output
 from cluster.config import ServeConfig
 from cluster.dispatch import Dispatcher, Refused, internal_message
-from cluster.requests import CONTEXT, EXTENSION, RequestContext, ValidRequest, vtoken_options
+from cluster.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
+from cluster.requests import CONTEXT, EXTENSION, BadRequest, RequestContext, ValidRequest, vtoken_options
 from vtoken.prefix_hash import prefix_hashes
 
 log = logging.getLogger("vtoken.engine_client")
 SUPPORTED_TASKS = ("generate",)  # what the replicas serve: vLLM's routes for the rest are not registered
 STATUS = {  # Refused.code -> what vLLM's serving layer turns into the same status
     "resource_exhausted": HTTPStatus.TOO_MANY_REQUESTS,
+    "too_large": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
     "unavailable": HTTPStatus.SERVICE_UNAVAILABLE,
     "deadline_exceeded": HTTPStatus.GATEWAY_TIMEOUT,
     "unauthenticated": HTTPStatus.UNAUTHORIZED,
@@ -73,7 +75,10 @@ class RemoteEngineClient(EngineClient):
         self.renderer = renderer_from_config(vllm_config)
         self.input_processor = InputProcessor(vllm_config, self.renderer)
         self.served = vtoken_options(None, cfg.vtoken)  # the deployment's own eviction options
+        g = cfg.gateway
+        self.grammars = GrammarPool(vllm_config, g.grammar_workers, g.grammar_timeout_s, g.max_grammar_pending)
         self._running: dict[str, asyncio.Task] = {}  # serving-layer request id -> the task iterating it
+        self.template_variables: frozenset[str] = frozenset()  # what chat_template_kwargs may set (serving_app)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -84,6 +89,8 @@ class RemoteEngineClient(EngineClient):
         # the engine's finished records name what the client saw) made unique, as AsyncLLM makes it (clients may
         # choose theirs: X-Request-Id, request_id).
         rid = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        if ctx.parse is not None:
+            ctx.parse.end()  # rendered: the door's parse bound no longer applies
         live = ctx.live
         try:
             with contextlib.ExitStack() as held:
@@ -103,7 +110,7 @@ class RemoteEngineClient(EngineClient):
             raise GenerationError(internal_message(ctx.client_id, rid)) from e
 
     async def _generate(self, prompt, sampling_params, request_id: str, ctx: RequestContext, rid: str, kwargs: dict):
-        valid = self._valid(prompt, sampling_params, request_id, ctx, kwargs)
+        valid = await self._valid(prompt, sampling_params, request_id, ctx, kwargs)
         kind, merged = sampling_params.output_kind, None
         task = asyncio.current_task()
         if task is not None:
@@ -129,14 +136,36 @@ class RemoteEngineClient(EngineClient):
             if self._running.get(request_id) is task:
                 del self._running[request_id]
 
-    def _valid(self, prompt: Any, params: Any, request_id: str, ctx: RequestContext, kwargs: dict) -> ValidRequest:
+    async def _valid(
+        self, prompt: Any, params: Any, request_id: str, ctx: RequestContext, kwargs: dict
+    ) -> ValidRequest:
         """The rendered request as the dispatcher places it, checked by vLLM's own input processor first (what
         ``AsyncLLM.generate`` checks before a request enters the engine: sampling against the model, the
-        structured-output grammar, the prompt's length), so a bad request is refused before any placement."""
+        structured-output grammar, the prompt's length), so a bad request is refused before any placement. The
+        grammar is checked in a worker process (cluster/grammar_pool.py), the rest here without it."""
         if not isinstance(prompt, dict) or prompt.get("type") != "token":
             kind = prompt.get("type") if isinstance(prompt, dict) else type(prompt).__name__
             raise VLLMValidationError(f"vtoken serve takes text and token-id prompts, not {kind} prompts")
-        self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=SUPPORTED_TASKS)
+        grammar = params.structured_outputs
+        params.structured_outputs = None  # process_inputs checks (and copies) a request-local clone of it
+        try:
+            self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=SUPPORTED_TASKS)
+        finally:
+            params.structured_outputs = grammar
+        if ctx.tally is not None:
+            try:
+                ctx.tally.add(params.n, len(prompt["prompt_token_ids"]), params.max_tokens or 0)
+            except BadRequest as e:
+                raise VLLMValidationError(e.args[0], parameter=e.param) from None
+        if grammar is not None:
+            try:
+                await self.grammars.check(request_id, prompt, params)
+            except GrammarTooLong as e:
+                raise GracefulHTTPError(str(e), HTTPStatus.REQUEST_ENTITY_TOO_LARGE) from e
+            except GrammarBusy as e:
+                raise GracefulHTTPError(str(e), HTTPStatus.SERVICE_UNAVAILABLE) from e
+            except VLLMValidationError as e:
+                raise VLLMValidationError(e.args[0], parameter=e.parameter or ctx.grammar_field) from None
         sampling = sampling_kwargs(params)
         if EXTENSION in (sampling.get("extra_args") or {}):
             raise VLLMValidationError(
@@ -254,4 +283,5 @@ class RemoteEngineClient(EngineClient):
         return False
 
     def shutdown(self, timeout: float | None = None) -> None:
+        self.grammars.close()
         self.renderer.shutdown()

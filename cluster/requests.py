@@ -149,6 +149,9 @@ class RequestContext(NamedTuple):
     # GenerateResponse.replica). A dict, so tasks the serving layer starts write where the door reads.
     seen: dict | None = None
     live: Live | None = None  # the HTTP door's: its generate calls still running (a background Responses request)
+    parse: Any = None  # cluster.dispatch.ParseStage: ended when the serving layer hands over the rendered prompt
+    tally: Any = None  # cluster.work.WorkTally: the request's work, summed over its prompts as they are rendered
+    grammar_field: str = "structured_outputs"  # the field a client set its structured output with
 
 
 class Live:

@@ -224,7 +224,7 @@ def test_vtoken_options_reach_the_engine_through_both_doors_and_are_refused_alik
                 },
             },
             400,
-            None,
+            "response_format",  # the gateway names the field the grammar came in (issue 57)
             "Grammar error",
         ),  # fmt: skip
         ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt", "non-empty"),
@@ -299,12 +299,13 @@ SMUGGLED = "X {{ messages[0].content }}"
     "extra, needle",
     [
         ({"chat_template": SMUGGLED}, "untrusted chat template"),
-        ({"chat_template_kwargs": {"chat_template": SMUGGLED}}, "untrusted chat template"),
+        ({"chat_template_kwargs": {"chat_template": SMUGGLED}}, "chat_template_kwargs.chat_template"),
     ],
 )
 def test_a_clients_chat_template_never_reaches_the_renderer(served, path, extra, needle):
-    """Issue 46: a template sent with the request, or smuggled in chat_template_kwargs, is refused by vLLM's
-    renderer (the deployment's template is the only one); the door keeps serving."""
+    """Issue 46: a template sent with the request is refused by vLLM's renderer (the deployment's template is the
+    only one), one smuggled in chat_template_kwargs by the door (issue 57: not a variable the template reads); the
+    door keeps serving."""
     r = post(served, path, {"model": "fake", "messages": MSG, "max_tokens": 1, **extra})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert post(served, "/tokenize", {"model": "fake", "messages": MSG}).json()["count"] > 1
