@@ -39,7 +39,7 @@ from typing import Any
 from actors.engines import Chunk, Engine, EngineDead, EngineFactory, GenerateSpec, one_line
 from actors.report import ReplicaReport, empty_pool
 from actors.stderr_tap import StderrTap
-from actors.token_channel import TokenSender, is_loopback
+from actors.token_channel import ChannelAddress, TokenSender, is_loopback
 from vtoken.pool_report import PoolReport
 
 log = logging.getLogger("vtoken.replica")
@@ -187,12 +187,12 @@ class Replica:
                 with contextlib.suppress(Exception):  # nothing to abort in an engine that is gone
                     await asyncio.shield(engine.abort(rid))
 
-    async def generate_to(self, spec: GenerateSpec, address: str, gateway_node: str = "") -> int:
-        """``generate``'s chunks sent to the gateway's token channel at ``address`` (actors/token_channel.py)
-        instead of streamed through Ray; returns how many were sent, or -1 without serving when ``address`` is
-        a loopback one on another node than this replica's. Cancelling the call aborts the request, as does a
-        gateway that takes no chunk for token_channel.SEND_TIMEOUT_S."""
-        if gateway_node and is_loopback(address) and gateway_node != self._node_ip():
+    async def generate_to(self, spec: GenerateSpec, address: ChannelAddress, gateway_node: str = "") -> int:
+        """``generate``'s chunks sent to the gateway's token channel at ``address`` (actors/token_channel.py: its
+        endpoint and the CURVE keys it admits) instead of streamed through Ray; returns how many were sent, or -1
+        without serving when ``address`` is a loopback one on another node than this replica's. Cancelling the call
+        aborts the request, as does a gateway that takes no chunk for token_channel.SEND_TIMEOUT_S."""
+        if gateway_node and is_loopback(address.endpoint) and gateway_node != self._node_ip():
             return -1
         sent, rid = 0, spec.request_id
         async with contextlib.aclosing(self.generate(spec)) as chunks:
