@@ -131,13 +131,54 @@ def base_body(kind: str, model: str) -> st.SearchStrategy:
     return st.fixed_dictionaries({"model": st.just(model), "prompt": prompt, "max_tokens": st.integers(1, 8)})
 
 
+# Small schemas the grammar workers check at once (cluster/grammar_pool.py); a few, so its cache sees them again.
+SMALL_SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "string"}}},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False},
+    {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    {"type": "string", "enum": ["yes", "no"]},
+    {"type": "boolean"},
+]
+# Keys of chat_template_kwargs: transformers' own arguments, names the renderer binds, and anything at all
+TEMPLATE_KEYS = ["padding", "truncation", "max_length", "tokenize", "chat_template", "messages", "tools",
+                 "add_generation_prompt", "enable_thinking", "bos_token", "documents"]  # fmt: skip
+
+
+def door_fields(kind: str) -> st.SearchStrategy:
+    """The fields the door itself weighs or checks (issue 57), more often than vLLM's schema would pick them: ``n``
+    and ``best_of`` around ``gateway.max_n`` (128) and far over it, lists of prompts, ``chat_template_kwargs`` with
+    any keys, and small JSON schemas (``response_format``, ``structured_outputs``)."""
+    counts = st.one_of(st.sampled_from([0, 1, 2, 4, 64, 127, 128, 129, 1024, 16384]), edge_ints())
+    schemas = st.sampled_from(SMALL_SCHEMAS)
+    optional = {
+        "n": counts,
+        "best_of": counts,
+        "chat_template_kwargs": st.one_of(
+            st.just({}), st.dictionaries(st.one_of(st.sampled_from(TEMPLATE_KEYS), text), any_json, max_size=2)
+        ),
+        "response_format": st.one_of(
+            schemas.map(lambda sch: {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": sch}}),
+            st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]),
+        ),
+        "structured_outputs": st.one_of(
+            schemas.map(lambda sch: {"json": sch}), st.just({"choice": ["a", "b"]}), st.just({"regex": "[0-9]{1,3}"})
+        ),
+    }
+    if kind == "completion":
+        prompts = st.sampled_from(["hi", "The capital of France is", "", "Once upon a time"])
+        optional["prompt"] = st.one_of(st.lists(prompts, max_size=4), st.just(["hi"] * 200))
+    return st.fixed_dictionaries({}, optional=optional)
+
+
 def http_body(kind: str, model: str) -> st.SearchStrategy:
-    """A chat or completion body: a served one with up to four fields fuzzed from vLLM's schema, messages and
-    their parts fuzzed too, and the ``vtoken`` extension with any options, valid or not."""
+    """A chat or completion body: a served one with up to four fields fuzzed from vLLM's schema, some of the fields
+    the door checks itself (``door_fields``), messages and their parts fuzzed too, and the ``vtoken``
+    extension with any options, valid or not."""
     fuzz = _schemas()[kind]
 
-    def build(base, fields, vtoken, messages):
-        body = {**base, **fields}
+    def build(base, fields, door, vtoken, messages):
+        body = {**base, **fields, **door}
         if vtoken is not None:
             body["vtoken"] = vtoken
         if messages is not None and kind == "chat":
@@ -155,7 +196,8 @@ def http_body(kind: str, model: str) -> st.SearchStrategy:
         ),
     )
     vtoken = st.one_of(st.none(), st.none(), valid_options(), eviction_options_any())
-    return st.builds(build, base_body(kind, model), fuzz.fields(), vtoken, messages)
+    door = st.one_of(st.just({}), door_fields(kind))
+    return st.builds(build, base_body(kind, model), fuzz.fields(), door, vtoken, messages)
 
 
 # ---------------------------------------------------------------------- eviction options and sampling
