@@ -87,6 +87,7 @@ class Dispatcher:
         self.inflight = 0
         self.inflight_tokens = 0  # the work of the requests admitted (cluster/work.py)
         self.parsing = 0  # requests admitted and not yet rendered
+        self._large: asyncio.Semaphore | None = None  # made in the event loop: large bodies rendering at once
         self._node = ray.util.get_node_ip_address() if ray.is_initialized() else ""
         host = self._node if self.g.token_channel_host == "node" else self.g.token_channel_host
         self.channel = TokenChannel(host or "127.0.0.1") if self.g.token_channel == "zmq" else None
@@ -128,10 +129,11 @@ class Dispatcher:
             self.inflight -= 1
             self.inflight_tokens -= work
 
-    def parse_stage(self, door: str) -> ParseStage:
+    def parse_stage(self, door: str, size: int = 0) -> ParseStage:
         """The request's rendering has begun (its ``end()`` when its prompt is rendered, or it ended); Refused
         ("unavailable") when ``max_parse_pending`` requests are rendering already: they share the parse threads, and
-        one more would only wait behind them."""
+        one more would only wait behind them. A body over ``LARGE_BODY`` bytes renders only once its stage's
+        ``turn()`` comes (``large``)."""
         if self.parsing >= self.g.max_parse_pending:
             self.metrics.refused(door, "unavailable")
             raise Refused(
@@ -139,7 +141,9 @@ class Dispatcher:
                 f"{self.parsing} requests are being rendered (gateway.max_parse_pending); retry shortly",
             )
         self.parsing += 1
-        return ParseStage(self)
+        if self._large is None:
+            self._large = asyncio.Semaphore(max(1, self.g.parse_workers - 1))
+        return ParseStage(self, self._large if size > LARGE_BODY else None)
 
     def _open(self, name: str, replica: Any, spec: GenerateSpec):
         """The request's chunks from ``replica``: through the token channel, or a Ray stream."""
@@ -290,17 +294,36 @@ class Dispatcher:
         return placed
 
 
+# A body over this many bytes is a large rendering (64 KiB of text: ~16K tokens, ~40 ms to tokenize here; the 900 KB
+# of a /tokenize flood took 0.57 s each). At most parse_workers - 1 of them render at once, so one of vLLM's renderer
+# threads is always left to the small requests: two large ones took both threads and a chat waited 0.9 s behind them.
+LARGE_BODY = 64 * 1024
+
+
 class ParseStage:
     """One request between its admission and its rendered prompt: ``end()`` (idempotent) frees its place among the
-    ``max_parse_pending`` and sets ``done``, which the door's ``parse_timeout_s`` waits on."""
+    ``max_parse_pending`` (and a large body's turn) and sets ``done``, which the door's ``parse_timeout_s`` waits on.
+    ``large``: the semaphore a large body waits on (``turn()``) before it renders; None for the rest."""
 
-    def __init__(self, dispatcher: Dispatcher):
-        self.dispatcher, self.done = dispatcher, asyncio.Event()
+    def __init__(self, dispatcher: Dispatcher, large: asyncio.Semaphore | None = None):
+        self.dispatcher, self.done, self.large = dispatcher, asyncio.Event(), large
+        self._turn = False
+
+    async def turn(self) -> None:
+        """Until a large body may render (at once for the rest)."""
+        if self.large is not None and not self._turn and not self.done.is_set():
+            await self.large.acquire()
+            if self.done.is_set():  # ended while it waited: nothing left to render
+                self.large.release()
+                return
+            self._turn = True
 
     def end(self) -> None:
         if not self.done.is_set():
             self.done.set()
             self.dispatcher.parsing -= 1
+            if self._turn:
+                self.large.release()
 
 
 def coalesce(chunk: Chunk, stream: Any) -> Chunk:

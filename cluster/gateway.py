@@ -158,13 +158,17 @@ class Gateway:
         try:
             msg = parse(raw)
             context_len = self.engine.model_config.max_model_len
-            work = request_work(DOOR, sampling_fields(msg.sampling), len(raw), g, context_len)
+            bs = self.cfg.engine.block_size
+            work = request_work(DOOR, sampling_fields(msg.sampling), len(raw), g, context_len, bs)
             with self.dispatcher.admit(DOOR, work.tokens):
-                stage = self.dispatcher.parse_stage(DOOR)
+                stage = self.dispatcher.parse_stage(DOOR, len(raw))
+
+                async def rendered():
+                    await stage.turn()
+                    return await render(msg, self.state, self.cfg.model_name, self.cfg.vtoken)
+
                 try:
-                    req = await asyncio.wait_for(
-                        render(msg, self.state, self.cfg.model_name, self.cfg.vtoken), g.parse_timeout_s
-                    )
+                    req = await asyncio.wait_for(rendered(), g.parse_timeout_s)
                 except TimeoutError as e:
                     if render_too_long(e) is not None:  # vLLM's own bound on one template: its own message
                         raise
@@ -175,7 +179,7 @@ class Gateway:
                     ) from None
                 finally:
                     stage.end()
-                ctx = req.context._replace(tally=WorkTally(g.max_request_tokens))
+                ctx = req.context._replace(tally=WorkTally(g.max_request_tokens, bs))
                 remaining = context.time_remaining()
                 if remaining is not None and (ctx.deadline_s is None or remaining < ctx.deadline_s):
                     ctx = ctx._replace(deadline_s=remaining)

@@ -84,10 +84,6 @@ class BodyTimeout(ValueError):
     """The body did not arrive within ``gateway.body_timeout_s`` (HTTP 408)."""
 
 
-class ClientStalled(Exception):
-    """The client took no piece of its answer for ``gateway.write_timeout_s``."""
-
-
 class Door:
     """The middleware around vLLM's app. ``gw`` is the HttpGateway: its config, token, dispatcher, metrics, the model's
     context length and the chat template's variables."""
@@ -132,7 +128,7 @@ class Door:
         slot = self.gw.dispatcher.admit(DOOR, work)
         try:
             slot.__enter__()
-            stage = self.gw.dispatcher.parse_stage(DOOR)
+            stage = self.gw.dispatcher.parse_stage(DOOR, len(body))
         except Refused as e:  # admission: counted by the dispatcher
             if e.code != "resource_exhausted":  # the parse stage's refusal: the slot was taken
                 slot.__exit__(None, None, None)
@@ -195,11 +191,12 @@ class Door:
                 f"Content-Type must be application/json for a request body, got {kind.decode('latin-1') or 'none'}"
             )
         obj = load_json(body)
-        work = request_work(path, obj, size, g, self.gw.max_model_len)
+        bs = self.gw.cfg.engine.block_size
+        work = request_work(path, obj, size, g, self.gw.max_model_len, bs)
         if isinstance(obj, dict):
             check_template_kwargs(obj, self.gw.template_variables, path)
             grammar = "response_format" if obj.get("response_format") is not None else "structured_outputs"
-            ctx = ctx._replace(tally=WorkTally(g.max_request_tokens), grammar_field=grammar)
+            ctx = ctx._replace(tally=WorkTally(g.max_request_tokens, bs), grammar_field=grammar)
         if isinstance(obj, dict) and EXTENSION in obj:
             ctx = ctx._replace(eviction=vtoken_options(obj.pop(EXTENSION), self.gw.cfg.vtoken))
             body = json.dumps(obj).encode()
@@ -214,6 +211,14 @@ class Door:
         gone = asyncio.Event()
         replayed = False
         g = self.gw.g
+        too_long = (f"rendering and tokenizing this request took over {g.parse_timeout_s:g} s "
+                    "(gateway.parse_timeout_s); send a shorter request")  # fmt: skip
+        if ctx.parse is not None and ctx.parse.large is not None:  # a large body waits for its turn to render
+            try:
+                await asyncio.wait_for(ctx.parse.turn(), g.parse_timeout_s)
+            except TimeoutError:
+                log.info("HTTP POST %s: a large body found no turn to render within parse_timeout_s; refused", path)
+                return await _reply(send, 413, error_body(413, too_long))
 
         async def app_receive():
             nonlocal replayed
@@ -223,13 +228,21 @@ class Door:
             await gone.wait()
             return {"type": "http.disconnect"}
 
+        stalled = False
+
         async def timed_send(message: dict) -> None:
+            nonlocal stalled
+            if stalled:
+                return  # nothing more goes to a client that takes nothing
             try:
                 await asyncio.wait_for(send(message), g.write_timeout_s)
             except TimeoutError:
-                first.done = True  # nothing more goes to a client that takes nothing
-                gone.set()
-                raise ClientStalled from None
+                # The client is treated as gone (below): vLLM's app hears a disconnect and cancels its stream where it
+                # waits for the engine, which closes its generator and aborts the request. Raising here instead left
+                # the generator suspended at its yield (Starlette never closes a body iterator whose send raised): the
+                # request ran on in its replica and held its admission until the garbage collector found it.
+                stalled = first.done = True
+                watch.cancel()
 
         first = FirstEvent(timed_send)
         token = CONTEXT.set(ctx)
@@ -246,13 +259,11 @@ class Door:
                     await app
                 log.info("HTTP POST %s: rendering took over gateway.parse_timeout_s; refused", path)
                 if not first.started:
-                    message = (f"rendering and tokenizing this request took over {g.parse_timeout_s:g} s "
-                               "(gateway.parse_timeout_s); send a shorter request")  # fmt: skip
                     first.done = True
-                    await _reply(send, 413, error_body(413, message))
+                    await _reply(send, 413, error_body(413, too_long))
                 return
             await asyncio.wait({app, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if app.done():
+            if app.done() and not stalled:
                 app.result()
                 return
             # vLLM's app hears the disconnect itself (its routes' with_cancellation, StreamingResponse) and cancels
@@ -264,13 +275,13 @@ class Door:
                 app.cancel()
             with contextlib.suppress(BaseException):
                 await app
-            where = "mid-stream" if first.streaming else "while waiting for its answer"
-            log.info("HTTP POST %s: the client went away %s; aborted", path, where)
-        except Exception as e:  # an error the app let out: vLLM's mapping if nothing was sent yet, else an event
-            if _caused_by(e, ClientStalled):
+            if stalled:
                 log.info("HTTP POST %s: the client took nothing for gateway.write_timeout_s (%g s); ended, aborted",
                          path, g.write_timeout_s)  # fmt: skip
                 return
+            where = "mid-stream" if first.streaming else "while waiting for its answer"
+            log.info("HTTP POST %s: the client went away %s; aborted", path, where)
+        except Exception as e:  # an error the app let out: vLLM's mapping if nothing was sent yet, else an event
             await first.fail(e)
         finally:
             watch.cancel()
@@ -286,18 +297,6 @@ async def _rendered_in_time(stage: Any, running: set, timeout_s: float) -> bool:
     finally:
         rendered.cancel()
     return bool(done)
-
-
-def _caused_by(e: BaseException, kind: type) -> bool:
-    """``e`` is, or was raised from (cause, context, a group of one), a ``kind``."""
-    seen = 0
-    while e is not None and seen < 16:
-        if isinstance(e, kind):
-            return True
-        if isinstance(e, BaseExceptionGroup):
-            return any(_caused_by(x, kind) for x in e.exceptions)
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
 
 
 class FirstEvent:

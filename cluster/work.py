@@ -7,7 +7,8 @@ request is weighed by the tokens it can make the fleet hold, ``n`` x prompts x (
 weighs requests by their cost rather than their count:
 
     ceiling    ``n`` (and ``best_of``) over ``gateway.max_n`` (128, OpenAI's own cap), or ``n`` x prompts x max tokens
-               over ``gateway.max_request_tokens``: a 400 naming the field, before vLLM allocates anything
+               (each sequence at least one KV block) over ``gateway.max_request_tokens``: a 400 naming the field,
+               before vLLM allocates anything
     admission  the requests in flight over both doors hold at most ``gateway.max_inflight_tokens`` of work (beyond,
                429; a request alone is always admitted). At the door the prompt's tokens are not known yet: the
                body's size bounds them (a token is at least one byte of its text, and a token id two bytes of JSON)
@@ -56,9 +57,11 @@ def prompt_count(path: str, body: dict) -> int:
     return 1
 
 
-def request_work(path: str, body: Any, size: int, g: Any, max_model_len: int) -> Work:
+def request_work(path: str, body: Any, size: int, g: Any, max_model_len: int, block_size: int = 1) -> Work:
     """The request's work as its body states it; BadRequest naming the field over a per-request ceiling. A body
-    that is not a JSON object weighs its size (vLLM's own checks refuse it)."""
+    that is not a JSON object weighs its size (vLLM's own checks refuse it). Each sequence counts at least one KV
+    block (``block_size`` tokens): it holds one in its replica however few tokens it asks for, and a request of
+    many tiny sequences (``n`` x 1,024 prompts of one token) costs the gateway per sequence, not per token."""
     if path in RENDER or not isinstance(body, dict):
         return Work(tokens=max(size, 1))
     sampling = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else body
@@ -75,12 +78,12 @@ def request_work(path: str, body: Any, size: int, g: Any, max_model_len: int) ->
     # no max tokens: the context's length bounds them (vLLM's own default for chat)
     max_tokens = max(min(max_tokens, max_model_len), 0) if max_tokens is not None else max_model_len
     prompts = prompt_count(path, body)
-    generated = n * prompts * max_tokens
+    generated = n * prompts * max(max_tokens, block_size)
     if generated > g.max_request_tokens:
         where = field if _int(sampling, field) is not None else "n" if n > 1 else "max_tokens"
         raise BadRequest(
-            f"{where}: n ({n}) x prompts ({prompts}) x max tokens ({max_tokens}) = {generated} tokens, over "
-            f"gateway.max_request_tokens ({g.max_request_tokens}); ask for fewer",
+            f"{where}: n ({n}) x prompts ({prompts}) x max tokens ({max_tokens}, at least a block of {block_size}) = "
+            f"{generated} tokens, over gateway.max_request_tokens ({g.max_request_tokens}); ask for fewer",
             where,
         )
     return Work(tokens=n * size + generated, n=n, prompts=prompts, max_tokens=max_tokens)
@@ -90,11 +93,11 @@ class WorkTally:
     """A request's work as its prompts are rendered (one ``add`` per prompt that reaches the engine client):
     BadRequest naming ``max_tokens`` once the sum of ``n`` x (prompt + max tokens) passes ``limit``."""
 
-    def __init__(self, limit: int):
-        self.limit, self.tokens = limit, 0
+    def __init__(self, limit: int, block_size: int = 1):
+        self.limit, self.block_size, self.tokens = limit, block_size, 0
 
     def add(self, n: int, prompt_tokens: int, max_tokens: int) -> None:
-        self.tokens += n * (prompt_tokens + max_tokens)
+        self.tokens += n * max(prompt_tokens + max_tokens, self.block_size)
         if self.tokens > self.limit:
             raise BadRequest(
                 f"max_tokens: this request's prompts and the tokens it asks for come to over {self.limit} tokens "
