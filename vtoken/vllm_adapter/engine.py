@@ -34,6 +34,13 @@ REFUSED = {
         "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps",
     ),
     "pipeline_parallel_size": (lambda v: (v or 1) > 1, "pipeline parallelism is not supported with vToken"),
+    # vLLM's quantized KV caches (fp8 and the rest: uint8 storage read through per-layer k_scale / v_scale) fail
+    # while the worker learns the cache's layout (kv_layout.learn); refused here in one line instead (issue 58)
+    "kv_cache_dtype": (
+        lambda v: v not in (None, "auto", "float16", "bfloat16"),
+        "vToken reads and moves the KV cache in a float dtype; a quantized KV cache is not supported yet: leave "
+        "kv_cache_dtype at auto, or serve this engine with vtoken mode off",
+    ),
     # Tensor parallelism is supported (tp.py): one scheduler decides, every rank moves its own heads' slice.
     # These split a request's TOKENS across ranks, or give every rank its own scheduler, which breaks that.
     "decode_context_parallel_size": (
