@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -328,6 +329,12 @@ async def _serve_async(cfg, args, local: bool) -> int:
     async def serve():
         async with serving(cfg, local=local, progress=StartProgress(cfg.replicas)) as s:
             started.set()
+            # The start-up heap (vLLM's config, the tokenizer, Ray) marked static, as vLLM's own server does after its
+            # start (vllm/entrypoints/launchers/utils/server_utils.py): the garbage collector's full passes then walk
+            # only what requests made, and pause the event loop for less. Here, in the process `vtoken serve` owns,
+            # not in serving(), which tests and benchmarks run inside processes of their own (BackgroundServer).
+            gc.collect()
+            gc.freeze()
             g = cfg.gateway
             scheme = "https" if g.tls_cert else "http"
             http = f", OpenAI API {scheme}://{g.host}:{s.http_port}/v1" if s.http_port else ""

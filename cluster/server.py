@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -96,11 +95,6 @@ async def serving(
             served.http_port or "off",
             healthy,
         )
-        # The start-up heap (vLLM's config, the tokenizer, Ray) marked static, as vLLM's own server does after its
-        # start (vllm/entrypoints/launchers/utils/server_utils.py): the garbage collector's full passes then walk only
-        # what requests made, and pause the event loop for less
-        gc.collect()
-        gc.freeze()
         yield served
     finally:
         if http is not None:

@@ -185,6 +185,8 @@ def _client(chunks):
 def test_the_engine_arguments_and_cache_salt_cross_as_the_serving_layer_set_them():
     """reasoning_ended=False is an answer, not an absence (it was dropped: False == 0); a salted prompt keeps its
     salt for the replica's prefix cache and follows no prefix in placement."""
+    import asyncio
+
     from vllm import SamplingParams
 
     from cluster.requests import RequestContext
@@ -192,9 +194,10 @@ def test_the_engine_arguments_and_cache_salt_cross_as_the_serving_layer_set_them
     eng = _client([])
     prompt = {"type": "token", "prompt_token_ids": list(range(5, 100)), "cache_salt": "tenant-a"}
     kw = {"reasoning_ended": False, "priority": 0, "reasoning_parser_kwargs": None}
-    v = eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), kw)
+    v = asyncio.run(eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), kw))
     assert v.engine_kwargs == {"reasoning_ended": False, "cache_salt": "tenant-a"} and v.prefix_hashes == ()
-    plain = eng._valid({**prompt, "cache_salt": None}, SamplingParams(max_tokens=4), "r", RequestContext(), {})
+    salted = {**prompt, "cache_salt": None}
+    plain = asyncio.run(eng._valid(salted, SamplingParams(max_tokens=4), "r", RequestContext(), {}))
     assert plain.engine_kwargs == {} and len(plain.prefix_hashes) == 95 // CFG.engine.block_size
 
 
