@@ -31,8 +31,6 @@ import pickle
 from collections import OrderedDict
 from typing import Any
 
-from cluster.requests import CONTEXT
-
 log = logging.getLogger("vtoken.grammar")
 CACHE = 256  # grammars known good: a client that sends the same schema with every request pays once
 START_TIMEOUT_S = 120.0  # a worker builds vLLM's config and tokenizer (~6 s on 2 cores)
@@ -149,11 +147,9 @@ class GrammarPool:
             except TimeoutError:
                 log.warning("a request's structured output took over %.3g s to check; refused, worker replaced",
                             self.timeout_s)  # fmt: skip
-                # The message names the field the client set (the door's context): vLLM's GracefulHTTPError, which
-                # gives the 413, carries no ``param`` into OpenAI's error JSON.
                 raise GrammarTooLong(
-                    f"{CONTEXT.get().grammar_field}: checking this request's structured output took over "
-                    f"{self.timeout_s:g} s (gateway.grammar_timeout_s); send a smaller schema or grammar"
+                    f"checking this request's structured output took over {self.timeout_s:g} s "
+                    "(gateway.grammar_timeout_s); send a smaller schema or grammar"
                 ) from None
             healthy = True
         finally:

@@ -147,7 +147,7 @@ class RemoteEngineClient(EngineClient):
             kind = prompt.get("type") if isinstance(prompt, dict) else type(prompt).__name__
             raise VLLMValidationError(f"vtoken serve takes text and token-id prompts, not {kind} prompts")
         grammar = params.structured_outputs
-        params.structured_outputs = None  # process_inputs checks (and copies) a request-local clone of it
+        params.structured_outputs = None  # checked apart, in a worker (below); process_inputs checks a copy
         try:
             self.input_processor.process_inputs(request_id, prompt, params, supported_tasks=SUPPORTED_TASKS)
         finally:
@@ -160,8 +160,8 @@ class RemoteEngineClient(EngineClient):
         if grammar is not None:
             try:
                 await self.grammars.check(request_id, prompt, params)
-            except GrammarTooLong as e:
-                raise GracefulHTTPError(str(e), HTTPStatus.REQUEST_ENTITY_TOO_LARGE) from e
+            except GrammarTooLong as e:  # named in the message: vLLM's 413 carries no ``param``
+                raise GracefulHTTPError(f"{ctx.grammar_field}: {e}", HTTPStatus.REQUEST_ENTITY_TOO_LARGE) from e
             except GrammarBusy as e:
                 raise GracefulHTTPError(str(e), HTTPStatus.SERVICE_UNAVAILABLE) from e
             except VLLMValidationError as e:
