@@ -7,6 +7,7 @@ the dispatcher's counters are back to zero. Bounds are small so the module runs 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -427,6 +428,44 @@ def test_a_reader_that_takes_nothing_is_ended_and_its_blocks_freed_while_its_soc
     out = list(stub(door.served.port).Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(
         max_tokens=2)), timeout=30))  # fmt: skip
     assert out and out[-1].finished
+
+
+def test_a_foreign_peer_on_the_token_channel_gets_no_frame_into_an_answer(door):
+    """A peer on the served gateway's token channel without the replicas' CURVE keys pushes frames addressed to every
+    request in flight while a stream is served: the answer holds only the replica's tokens (the channel's own tests,
+    tests/test_token_channel.py, hold the negative control: the same peer with the handed-out keys gets through)."""
+    import zmq
+
+    from actors.token_channel import encode
+    from actors.wire import Chunk, Seq
+
+    channel = door.dispatcher.channel
+    post(door.http, "/v1/completions", completion())  # the channel binds on first use
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.PUSH)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(channel.address.endpoint)
+    stop = threading.Event()
+
+    def push() -> None:
+        while not stop.is_set():
+            for rid in list(channel._inboxes):
+                with contextlib.suppress(zmq.Again):
+                    peer.send_multipart(encode(rid.decode(), Chunk((Seq(0, " FOREIGN", (1,)),))), zmq.NOBLOCK)
+            time.sleep(0.005)
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    try:
+        answer = post(door.http, "/v1/completions", completion(max_tokens=16))
+    finally:
+        stop.set()
+        pusher.join(5)
+        peer.close(0)
+        ctx.term()
+    assert answer.status == 200, answer.body[:300]
+    text = json.loads(answer.body)["choices"][0]["text"]
+    assert "FOREIGN" not in text and text.split() == [f"t{i}" for i in range(16)], text
 
 
 def test_after_the_abuse_every_block_is_free_the_counters_are_zero_and_health_stayed_fast(door):
