@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -119,13 +118,6 @@ class Replica:
         except Exception as e:
             cause = await asyncio.to_thread(tap.error_since, mark) if tap else ""
             raise EngineStartFailed(cause or one_line(f"{type(e).__name__}: {e}")) from None
-        if _in_actor():
-            # The engine's heap marked static, as vLLM's server does after its start: a request's structured output is
-            # checked again here (vLLM's input processor, in its renderer's thread), and the collector's full passes
-            # over that check's objects would otherwise walk the whole engine too, holding the actor's event loop
-            # (its pings) for up to half a second
-            gc.collect()
-            gc.freeze()
 
     async def ping(self) -> dict[str, Any]:
         return {
