@@ -241,7 +241,7 @@ class Door:
                 # waits for the engine, which closes its generator and aborts the request. Raising here instead left
                 # the generator suspended at its yield (Starlette never closes a body iterator whose send raised): the
                 # request ran on in its replica and held its admission until the garbage collector found it.
-                stalled = first.done = True
+                stalled = first.done = ctx.live.stalled = True
                 watch.cancel()
 
         first = FirstEvent(timed_send)

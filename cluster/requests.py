@@ -157,10 +157,13 @@ class RequestContext(NamedTuple):
 class Live:
     """The ``generate`` calls of one HTTP request still running, so its admission lasts as long as they do: a
     background Responses request (``background: true``) runs on after its answer went out. ``door_done``: the door's
-    own admission has ended; a ``generate`` that starts after it is admitted on its own."""
+    own admission has ended; a ``generate`` that starts after it is admitted on its own. ``stalled``: the client took
+    nothing for ``gateway.write_timeout_s``; its ``generate`` calls end before their next output, so what piled up
+    meanwhile is never rendered into events nobody reads."""
 
     def __init__(self) -> None:
         self.n, self.door_done, self.idle = 0, False, asyncio.Event()
+        self.stalled = False
         self.idle.set()
 
     def enter(self) -> None:
