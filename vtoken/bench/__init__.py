@@ -35,6 +35,7 @@ BENCHMARKS = {
         "parity",
         "doorcost",
         "lmeval",
+        "frontier",
     )  # fmt: skip
 }
 
