@@ -2,8 +2,8 @@
 (``Chunk``) the other, small named picklable types with a msgpack codec for the token channel.
 
 A ``Chunk`` is vLLM's ``RequestOutput`` reduced to the fields vLLM's serving layer reads (the gateway runs vLLM's
-OpenAI serving classes over a remote engine: cluster/remote_engine.py): per sequence its index, new text and token
-ids, their log-probabilities, the cumulative log-probability, finish and stop reasons; per request whether it
+OpenAI serving classes over a remote engine: cluster/serving/remote_engine.py): per sequence its index, new text and
+token ids, their log-probabilities, the cumulative log-probability, finish and stop reasons; per request whether it
 finished, the prompt's log-probabilities (first chunk only) and its prefix-cache hit. The prompt itself never
 travels back: the gateway rendered it and keeps it. A request the replica could not serve is a Chunk with
 ``error`` and ``code`` set and nothing else.

@@ -59,11 +59,11 @@ def main() -> None:
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the EngineCore in a process of its own, as deployed
 
-    import cluster.dispatch
+    import cluster.serving.dispatch
     from vtoken.bench import serve
     from vtoken.models import model_path
 
-    stamps = instrument(cluster.dispatch)
+    stamps = instrument(cluster.serving.dispatch)
     sp = argparse.ArgumentParser()
     serve.add_args(sp)
     a = sp.parse_args(["--model", args.model, "--input-len", str(args.input_len), "--output-len",

@@ -15,9 +15,9 @@ from actors.engines import ABORTED, Chunk, FakeEngine, GenerateSpec
 from actors.replica import Replica
 from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
-from cluster.controller import Controller, ReplicaState
-from cluster.dispatch import failure
-from cluster.replica_status import ReplicaStatus
+from cluster.control.controller import Controller, ReplicaState
+from cluster.control.replica_status import ReplicaStatus
+from cluster.serving.dispatch import failure
 
 Code = grpc.StatusCode
 
@@ -88,8 +88,8 @@ def test_an_unexpected_engine_error_is_internal_and_its_traceback_stays_in_the_l
 def test_how_a_stream_the_server_ended_reaches_the_client(chunk, code, needle):
     from vllm.entrypoints.serve import create_error_response
 
-    from cluster.dispatch import Refused
-    from cluster.remote_engine import vllm_error
+    from cluster.serving.dispatch import Refused
+    from cluster.serving.remote_engine import vllm_error
 
     got, why = failure(chunk, "r")
     assert Code[got.upper()] == code and needle in why and "\n" not in why  # the gRPC door's status

@@ -15,10 +15,10 @@ import pytest
 
 from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
-from cluster.controller import Controller, ReplicaState
-from cluster.replica_status import TRANSITIONS, InvalidTransition, ReplicaStatus
-from cluster.snapshot import replica_views, take_snapshot
-from cluster.status import cluster_status, to_proto
+from cluster.control.controller import Controller, ReplicaState
+from cluster.control.replica_status import TRANSITIONS, InvalidTransition, ReplicaStatus
+from cluster.control.snapshot import replica_views, take_snapshot
+from cluster.control.status import cluster_status, to_proto
 
 S = ReplicaStatus
 ALL = list(ReplicaStatus)
@@ -134,7 +134,7 @@ def test_every_other_transition_raises_a_clear_error_and_changes_nothing(frm, to
 
 
 def ctl_promise(replica: str):
-    from cluster.controller import Promise
+    from cluster.control.controller import Promise
 
     return Promise(replica, 8, time.monotonic())
 
@@ -182,7 +182,7 @@ async def start_failed(ctl, st, monkeypatch):
 
 
 async def drained(ctl, st, monkeypatch):
-    monkeypatch.setattr("cluster.lifecycle.ray.kill", lambda *a, **k: None)
+    monkeypatch.setattr("cluster.control.lifecycle.ray.kill", lambda *a, **k: None)
     ctl.target = 0
     ctl._reconcile()  # scale-in: drains it in the background
     await asyncio.sleep(0)

@@ -1,16 +1,16 @@
 """Controller: a Ray actor that owns the replicas, aggregates their reports and keeps the account of placements.
 
-Replica statuses and their transitions: cluster/replica_status.py; creating, starting, probing, restarting and
-draining replicas: cluster/lifecycle.py (``ReplicaLifecycle``, which this class extends). Here: reports,
-promises, placement and scaling, and the one snapshot (cluster/snapshot.py) that status, ``/metrics``, the
+Replica statuses and their transitions: cluster/control/replica_status.py; creating, starting, probing, restarting and
+draining replicas: cluster/control/lifecycle.py (``ReplicaLifecycle``, which this class extends). Here: reports,
+promises, placement and scaling, and the one snapshot (cluster/control/snapshot.py) that status, ``/metrics``, the
 capacity stream, placement and the autoscaler all read.
 Promises: a request placed on a replica counts its estimated blocks against it until a report of that replica
 lists it as admitted (that report's ``free_blocks`` counts its blocks) or until the request ends, whichever
 is first. Dropping it at the first token instead would count its blocks twice while they are allocated but
 unreported (prefill), or not at all when the report is older than the admission. A replica that stops serving
 loses its promises (``ReplicaLifecycle._transition``). A gateway places most requests itself from the views it asks
-for (``placement_state``; cluster/placer.py) and tells each placement here (``promise``); this controller places
-the rest (``place``).
+for (``placement_state``; cluster/placement/placer.py) and tells each placement here (``promise``); this controller
+places the rest (``place``).
 
 A controller that dies is restarted by Ray (``max_restarts``, on the node of `vtoken serve`: cluster/server.py)
 under the same actor id, so the gateway's and the replicas' handles keep working. The new incarnation knows
@@ -33,14 +33,14 @@ from typing import Any, NamedTuple
 import ray
 
 from actors.report import ReplicaReport, prefix_capacity
-from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
-from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
-from cluster.placement import ReplicaView, check_fits, make_strategy
-from cluster.placer import PlacementState
-from cluster.prefix_index import PrefixIndex, with_prefix
-from cluster.replica_status import ReplicaStatus
-from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
+from cluster.control.autoscaler import Autoscaler, request_cluster_resources
+from cluster.control.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
+from cluster.control.replica_status import ReplicaStatus
+from cluster.control.snapshot import ClusterSnapshot, replica_views, take_snapshot
+from cluster.placement.placer import PlacementState
+from cluster.placement.prefix_index import PrefixIndex, with_prefix
+from cluster.placement.strategies import ReplicaView, check_fits, make_strategy
 
 log = logging.getLogger("vtoken.controller")
 __all__ = ["Controller", "Promise", "ReplicaState", "replica_env"]
@@ -144,7 +144,7 @@ class Controller(ReplicaLifecycle):
     # ------------------------------------------------------------------ reports and promises
     async def report(self, name: str, r: ReplicaReport) -> bool:
         """A replica's report. True asks it for a snapshot of its prefix cache with its next report (its delta did
-        not follow the last one applied: cluster/prefix_index.py)."""
+        not follow the last one applied: cluster/placement/prefix_index.py)."""
         self._ensure_running()
         st = self.replicas.get(name)
         if st is None and self._may_adopt(name) and self._adopt(name, "it reported after a controller restart"):
@@ -311,8 +311,8 @@ class Controller(ReplicaLifecycle):
     async def placement_state(
         self, gateway: str, known: tuple[str, ...] = (), copies: dict[str, tuple[int, int]] | None = None
     ) -> PlacementState:
-        """What ``gateway`` places from (cluster/placer.py): the serving replicas' views (every promise heard of
-        counted), the strategy, the last of the gateway's promises heard of, and the handles of the serving replicas
+        """What ``gateway`` places from (cluster/placement/placer.py): the serving replicas' views (every promise heard
+        of counted), the strategy, the last of the gateway's promises heard of, and the handles of the serving replicas
         it does not name in ``known``. Under a strategy that reads the prefix indexes, also what the gateway's
         copies of them, at the (epoch, version) ``copies`` gives per replica, need to equal them."""
         self._ensure_running()
@@ -363,14 +363,14 @@ class Controller(ReplicaLifecycle):
         self.promises.pop(request_id, None)
 
     async def status(self) -> dict[str, Any]:
-        from cluster.status import cluster_status
+        from cluster.control.status import cluster_status
 
         self._ensure_running()
         return cluster_status(take_snapshot(self))
 
     async def snapshot(self) -> ClusterSnapshot:
         """Every replica's status, last report and promised blocks, and the cumulative placement and scaling
-        counts (cluster.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
+        counts (cluster.control.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
         self._ensure_running()
         return take_snapshot(self)
 

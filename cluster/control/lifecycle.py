@@ -1,6 +1,6 @@
 """The replica lifecycle: create, start, probe, restart, drain, and the one place a replica's status changes.
 
-``ReplicaLifecycle`` is the controller's half that owns the Ray actors; the controller (cluster/controller.py)
+``ReplicaLifecycle`` is the controller's half that owns the Ray actors; the controller (cluster/control/controller.py)
 adds placement, promises, reports and scaling on top. Every status change goes through ``_transition``,
 which checks it against ``replica_status.TRANSITIONS``, voids the replica's promises whenever it does not
 serve afterwards (a promise counts blocks against a replica only placement can pick), keeps the death and
@@ -34,9 +34,8 @@ import ray
 from actors.engines import EngineFactory
 from actors.replica import Replica
 from actors.report import ReplicaReport, unreported
-from cluster.config import ServeConfig
-from cluster.frontend import engine_args
-from cluster.replica_status import ReplicaStatus, check_transition
+from cluster.config import ServeConfig, engine_args
+from cluster.control.replica_status import ReplicaStatus, check_transition
 
 log = logging.getLogger("vtoken.controller")
 QUIET_KEYS = ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE")
@@ -74,7 +73,7 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
                 "reclaim_fraction": e.fake_reclaim_fraction,
             },
         )
-    # The same arguments build the gateway's config (cluster/frontend.py): what it validates is what replicas run.
+    # The same arguments build the gateway's config (cluster/serving/frontend.py): it validates what replicas run.
     return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": engine_args(cfg)})
 
 

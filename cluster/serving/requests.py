@@ -1,9 +1,9 @@
 """A request as both front doors hand it to the dispatcher, and a request's own eviction options, checked once.
 
 vLLM's serving layer does the rest, as in ``vllm serve``: the HTTP door runs vLLM's OpenAI routes and serving classes
-(cluster/http_gateway.py), the gRPC door renders with the same renderer (cluster/grpc_requests.py), and both hand the
-rendered prompt and vLLM's ``SamplingParams`` to the remote engine client (cluster/remote_engine.py), which builds
-a ``ValidRequest`` for placement. What is vToken's own is here: the ``vtoken`` extension (HTTP
+(cluster/doors/http_server.py), the gRPC door renders with the same renderer (cluster/doors/grpc_requests.py), and both
+hand the rendered prompt and vLLM's ``SamplingParams`` to the remote engine client (cluster/serving/remote_engine.py),
+which builds a ``ValidRequest`` for placement. What is vToken's own is here: the ``vtoken`` extension (HTTP
 ``extra_body={"vtoken": {...}}``, gRPC ``VTokenOptions``), refused with a ``BadRequest`` naming ``vtoken.<key>``.
 Nothing here touches Ray or the engine.
 """
@@ -149,8 +149,12 @@ class RequestContext(NamedTuple):
     # GenerateResponse.replica). A dict, so tasks the serving layer starts write where the door reads.
     seen: dict | None = None
     live: Live | None = None  # the HTTP door's: its generate calls still running (a background Responses request)
-    parse: Any = None  # cluster.dispatch.ParseStage: ended when the serving layer hands over the rendered prompt
-    tally: Any = None  # cluster.work.WorkTally: the request's work, summed over its prompts as they are rendered
+    parse: Any = (
+        None  # cluster.serving.dispatch.ParseStage: ended when the serving layer hands over the rendered prompt
+    )
+    tally: Any = (
+        None  # cluster.serving.work.WorkTally: the request's work, summed over its prompts as they are rendered
+    )
     grammar_field: str = "structured_outputs"  # the field a client set its structured output with
 
 

@@ -36,9 +36,9 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from actors.wire import sampling_kwargs, to_output
 from cluster.config import ServeConfig
-from cluster.dispatch import Dispatcher, Refused, internal_message
-from cluster.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
-from cluster.requests import CONTEXT, EXTENSION, BadRequest, RequestContext, ValidRequest, vtoken_options
+from cluster.serving.dispatch import Dispatcher, Refused, internal_message
+from cluster.serving.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
+from cluster.serving.requests import CONTEXT, EXTENSION, BadRequest, RequestContext, ValidRequest, vtoken_options
 from vtoken.prefix_hash import prefix_hashes
 
 log = logging.getLogger("vtoken.engine_client")
@@ -147,7 +147,7 @@ class RemoteEngineClient(EngineClient):
         """The rendered request as the dispatcher places it, checked by vLLM's own input processor first (what
         ``AsyncLLM.generate`` checks before a request enters the engine: sampling against the model, the
         structured-output grammar, the prompt's length), so a bad request is refused before any placement. The
-        grammar is checked in a worker process (cluster/grammar_pool.py), the rest here without it."""
+        grammar is checked in a worker process (cluster/serving/grammar_pool.py), the rest here without it."""
         if not isinstance(prompt, dict) or prompt.get("type") != "token":
             kind = prompt.get("type") if isinstance(prompt, dict) else type(prompt).__name__
             raise VLLMValidationError(f"vtoken serve takes text and token-id prompts, not {kind} prompts")
