@@ -144,7 +144,7 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
     ctl.replicas["a"] = ReplicaState("a", handle="a")
     ctl.replicas["b"] = ReplicaState("b", handle="b")
     restarted: list[str] = []
-    monkeypatch.setattr(ctl, "_restart_process", lambda st: restarted.append(st.name))
+    monkeypatch.setattr(ctl.lifecycle, "_restart_process", lambda st: restarted.append(st.name))
 
     async def go():
         await ctl.report("a", _report("a", free=60))
@@ -160,7 +160,7 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
         assert restarted == ["a", "a"] and ctl.replicas["a"].state == "dead"
         assert (await ctl.place("p", 4))[0] == "b"
         await ctl.report("a", _report("a", incarnation="i3", free=64))
-        assert ctl.replicas["a"].state == "healthy" and ctl.recoveries
+        assert ctl.replicas["a"].state == "healthy" and ctl.lifecycle.recoveries
 
     asyncio.run(go())
 
@@ -192,7 +192,7 @@ def test_a_silent_replica_that_answers_a_ping_is_busy_not_dead():
         marked.append(name)
         ctl.replicas[name].state = ReplicaStatus.DEAD
 
-    ctl.mark_failed = mark_failed
+    ctl.lifecycle.mark_failed = mark_failed
 
     async def go():
         monitor = asyncio.ensure_future(ctl._monitor())

@@ -156,7 +156,7 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
         parse_config({"model": "fake", "engine": {"kind": "fake"}, "placement": {"promise_ttl_s": 10}}).model_dump()
     )
     ctl.target = 2
-    monkeypatch.setattr(ctl, "_restart_process", lambda st: None)  # Ray's part
+    monkeypatch.setattr(ctl.lifecycle, "_restart_process", lambda st: None)  # Ray's part
     for name in "ab":
         ctl.replicas[name] = ReplicaState(name, handle=name)
 
@@ -205,5 +205,5 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
     grown = asyncio.run(go())
     # 10 s of promises at 100 requests a second, a third of them never ended: ~330, not the 3,000 leaked
     assert len(ctl.promises) <= 450, len(ctl.promises)
-    assert len(ctl.recoveries) <= 100 and len(ctl.decisions) <= 50 and not ctl._tasks
+    assert len(ctl.lifecycle.recoveries) <= 100 and len(ctl.decisions) <= 50 and not ctl._tasks
     assert grown < 50_000, f"the controller's allocations grew {grown} bytes over 6,000 requests"

@@ -309,12 +309,12 @@ def test_the_controller_index_follows_stores_removals_restarts_gaps_and_deaths()
     assert _report(ctl, "a", PrefixDelta(10, h, full=True), incarnation="i2") is False
     assert _hits(ctl, prompt)["a"] == 4
     # dies: its index goes with it, and a dead replica is no view at all
-    ctl._transition(ctl.replicas["a"], ReplicaStatus.DEAD, "test")  # as mark_failed does
+    ctl.lifecycle.transition(ctl.replicas["a"], ReplicaStatus.DEAD, "test")  # as mark_failed does
     assert "a" not in ctl.prefix and ctl.replicas["a"].state is ReplicaStatus.DEAD
     assert set(_hits(ctl, prompt)) == {"b"}
     # removed: the same
     _report(ctl, "b", PrefixDelta(1, h))
-    ctl._remove(ctl.replicas["b"], "test")
+    ctl.lifecycle.remove(ctl.replicas["b"], "test")
     assert ctl.prefix == {}
 
 

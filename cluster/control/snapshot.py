@@ -66,7 +66,7 @@ def take_snapshot(ctl: Any) -> ClusterSnapshot:
         ctl.cfg.placement.strategy,
         ctl.target,
         tuple(ctl.decisions),
-        ctl.recoveries[-1] if ctl.recoveries else 0.0,
+        ctl.lifecycle.recoveries[-1] if ctl.lifecycle.recoveries else 0.0,
         getattr(ctl, "where", ("", "", 0)),
     )
 
