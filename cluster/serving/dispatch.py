@@ -169,8 +169,8 @@ class Dispatcher:
             raise
         except Exception:  # a bug or a Ray failure: the traceback goes to the log, never to the client
             outcome = "internal"
-            log.exception("request %s (client id %r) failed", rid, req.request_id)
-            raise Refused("internal", internal_message(req.request_id, rid)) from None
+            log.exception("request %s (client id %r) failed", rid, req.client_id)
+            raise Refused("internal", internal_message(req.client_id, rid)) from None
         finally:
             late = self.placer.finished(rid) if self.placer is not None else ()
             self._tell("finished", rid, *late)  # release the promise whatever happened
@@ -233,8 +233,8 @@ class Dispatcher:
                             log.info("request %s: %s before its first token; placing it again", rid, why)
                             break
                         if code == "internal":
-                            log.error("request %s (client id %r): %s", rid, req.request_id, why)
-                            why = internal_message(req.request_id, rid)
+                            log.error("request %s (client id %r): %s", rid, req.client_id, why)
+                            why = internal_message(req.client_id, rid)
                         elif code == "unavailable":
                             why = f"{why} after {streamed} chunks; retry the request"
                         raise Refused(code, why)

@@ -186,7 +186,7 @@ class RemoteEngineClient(EngineClient):
         if salt:
             engine["cache_salt"] = salt
         return ValidRequest(
-            request_id=ctx.client_id or request_id,
+            client_id=ctx.client_id or request_id,
             prompt_token_ids=ids,
             sampling=sampling,
             deadline_s=ctx.deadline_s,

@@ -111,7 +111,7 @@ class ValidRequest(BaseModel):
     """A request either door has validated: what the dispatcher places and the engine runs."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
-    request_id: str  # the client's (gRPC request_id, HTTP's request id); engines know the gateway's own id
+    client_id: str  # the client's (gRPC request_id, HTTP's request id), for logs; engines know the gateway's own id
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # non-default vllm.SamplingParams fields (actors/wire.py sampling_kwargs)
     deadline_s: float | None = None
