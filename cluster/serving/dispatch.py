@@ -192,7 +192,7 @@ class Dispatcher:
         bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict, bs if v.interval == "block" else
                    v.interval) if evicting else ()  # fmt: skip
         need = req.n * peak_blocks(len(req.prompt_token_ids), req.max_tokens, bs, *bounded)
-        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling(), req.engine_kwargs)
+        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling(), req.max_tokens, req.n, req.engine_kwargs)
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
             work = req.n * (len(req.prompt_token_ids) + req.max_tokens)

@@ -189,6 +189,10 @@ class RemoteEngineClient(EngineClient):
             client_id=ctx.client_id or request_id,
             prompt_token_ids=ids,
             sampling=sampling,
+            # vLLM's serving layer always sets max_tokens; one it left unset (None: up to the context) is counted
+            # as SamplingParams' default, 16, as it always was here
+            max_tokens=16 if params.max_tokens is None else params.max_tokens,
+            n=params.n,
             deadline_s=ctx.deadline_s,
             eviction=ctx.eviction or self.served,
             prefix_hashes=() if salt else prefix_hashes(ids, self.cfg.engine.block_size),

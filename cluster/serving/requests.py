@@ -114,6 +114,8 @@ class ValidRequest(BaseModel):
     client_id: str  # the client's (gRPC request_id, HTTP's request id), for logs; engines know the gateway's own id
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # non-default vllm.SamplingParams fields (actors/wire.py sampling_kwargs)
+    max_tokens: int  # per sequence, as placement counts it (remote_engine._valid sets it, once)
+    n: int = 1  # sequences
     deadline_s: float | None = None
     eviction: Eviction | None = None  # the request's own eviction options, checked (vtoken_options)
     # The prompt's block hashes (vtoken/prefix_hash.py): placement matches them against
@@ -121,14 +123,6 @@ class ValidRequest(BaseModel):
     prefix_hashes: tuple[int, ...] = ()
     # AsyncLLM.generate's own arguments that the serving layer set (priority, reasoning_ended, ...)
     engine_kwargs: dict[str, Any] = {}
-
-    @property
-    def max_tokens(self) -> int:
-        return int(self.sampling.get("max_tokens") or 16)  # vLLM's SamplingParams default
-
-    @property
-    def n(self) -> int:
-        return int(self.sampling.get("n") or 1)
 
     def spec_sampling(self) -> dict[str, Any]:
         """What crosses to the replica: the sampling, with the request's eviction options in ``extra_args``."""
