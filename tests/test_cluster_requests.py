@@ -155,7 +155,7 @@ class _Stream:
     def __init__(self, chunks):
         self.chunks, self.inflight = chunks, 0
 
-    async def stream(self, req, rid, door):
+    async def stream(self, req, door):
         from cluster.serving.dispatch import Delta
 
         for c in self.chunks:
@@ -194,10 +194,11 @@ def test_the_engine_arguments_and_cache_salt_cross_as_the_serving_layer_set_them
     eng = _client([])
     prompt = {"type": "token", "prompt_token_ids": list(range(5, 100)), "cache_salt": "tenant-a"}
     kw = {"reasoning_ended": False, "priority": 0, "reasoning_parser_kwargs": None}
-    v = asyncio.run(eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), kw))
+    v = asyncio.run(eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), "r-1", kw))
     assert v.engine_kwargs == {"reasoning_ended": False, "cache_salt": "tenant-a"} and v.prefix_hashes == ()
+    assert (v.request_id, v.client_id, v.max_tokens, v.n) == ("r-1", "r", 4, 1)  # one id to the replica, set once
     salted = {**prompt, "cache_salt": None}
-    plain = asyncio.run(eng._valid(salted, SamplingParams(max_tokens=4), "r", RequestContext(), {}))
+    plain = asyncio.run(eng._valid(salted, SamplingParams(max_tokens=4), "r", RequestContext(), "r-2", {}))
     assert plain.engine_kwargs == {} and len(plain.prefix_hashes) == 95 // CFG.engine.block_size
 
 

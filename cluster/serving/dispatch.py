@@ -151,15 +151,16 @@ class Dispatcher:
             return RayStream(replica.generate.options(num_returns="streaming").remote(spec))
         return ChannelStream(self.channel, spec.request_id, lambda a: replica.generate_to.remote(spec, a, self._node))
 
-    async def stream(self, req: ValidRequest, rid: str, door: str) -> AsyncIterator[Delta]:
-        """The request's chunks as the replica streams them. ``rid`` is the gateway's own id for it: the
-        engine, the replica and the controller know the request by this id only (clients may reuse theirs).
-        Raises Refused; a door that stops iterating (its client went away) aborts the request. The door admitted
-        it (``admit``)."""
+    async def stream(self, req: ValidRequest, door: str) -> AsyncIterator[Delta]:
+        """The request's chunks as the replica streams them. ``req.request_id`` is the gateway's own id for it: the
+        engine, the replica and the controller know the request by this id only (clients may reuse theirs, kept as
+        ``req.client_id`` for logs). Raises Refused; a door that stops iterating (its client went away) aborts the
+        request. The door admitted it (``admit``)."""
+        rid = req.request_id
         timer = self.metrics.timer(door, len(req.prompt_token_ids))
         outcome = "cancelled"
         try:
-            async with contextlib.aclosing(self._serve(req, rid)) as deltas:
+            async with contextlib.aclosing(self._serve(req)) as deltas:
                 async for d in deltas:
                     timer.chunk(d.replica, d.chunk)
                     yield d
@@ -182,7 +183,8 @@ class Dispatcher:
         with contextlib.suppress(ray.exceptions.RayError):
             getattr(self.controller, method).remote(*args)
 
-    async def _serve(self, req: ValidRequest, rid: str) -> AsyncIterator[Delta]:
+    async def _serve(self, req: ValidRequest) -> AsyncIterator[Delta]:
+        rid = req.request_id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.deadline_s if req.deadline_s is not None else None
         v = req.eviction.config if req.eviction else None

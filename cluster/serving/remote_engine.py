@@ -110,14 +110,14 @@ class RemoteEngineClient(EngineClient):
             raise GenerationError(internal_message(ctx.client_id, rid)) from e
 
     async def _generate(self, prompt, sampling_params, request_id: str, ctx: RequestContext, rid: str, kwargs: dict):
-        valid = await self._valid(prompt, sampling_params, request_id, ctx, kwargs)
+        valid = await self._valid(prompt, sampling_params, request_id, ctx, rid, kwargs)
         kind, merged = sampling_params.output_kind, None
         task = asyncio.current_task()
         if task is not None:
             self._running[request_id] = task
         text, ids = prompt.get("prompt"), valid.prompt_token_ids
         try:
-            async with contextlib.aclosing(self.dispatcher.stream(valid, rid, ctx.door)) as deltas:
+            async with contextlib.aclosing(self.dispatcher.stream(valid, ctx.door)) as deltas:
                 async for d in deltas:
                     if ctx.live is not None and ctx.live.stalled:
                         # As a disconnect ends it, but now: vLLM's stream would otherwise turn the whole backlog of
@@ -142,7 +142,7 @@ class RemoteEngineClient(EngineClient):
                 del self._running[request_id]
 
     async def _valid(
-        self, prompt: Any, params: Any, request_id: str, ctx: RequestContext, kwargs: dict
+        self, prompt: Any, params: Any, request_id: str, ctx: RequestContext, rid: str, kwargs: dict
     ) -> ValidRequest:
         """The rendered request as the dispatcher places it, checked by vLLM's own input processor first (what
         ``AsyncLLM.generate`` checks before a request enters the engine: sampling against the model, the
@@ -186,6 +186,7 @@ class RemoteEngineClient(EngineClient):
         if salt:
             engine["cache_salt"] = salt
         return ValidRequest(
+            request_id=rid,
             client_id=ctx.client_id or request_id,
             prompt_token_ids=ids,
             sampling=sampling,

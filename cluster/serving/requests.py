@@ -111,7 +111,8 @@ class ValidRequest(BaseModel):
     """A request either door has validated: what the dispatcher places and the engine runs."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
-    client_id: str  # the client's (gRPC request_id, HTTP's request id), for logs; engines know the gateway's own id
+    request_id: str  # the gateway's, unique per stream: the engine, the replica and the controller know it by this
+    client_id: str  # the client's own (gRPC request_id, HTTP's request id; clients may reuse it), for logs
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # non-default vllm.SamplingParams fields (actors/wire.py sampling_kwargs)
     max_tokens: int  # per sequence, as placement counts it (remote_engine._valid sets it, once)
