@@ -35,9 +35,9 @@ def instrument(dispatch) -> dict[str, dict[str, float]]:
     stamps: dict[str, dict[str, float]] = {}
     stream, open_ = dispatch.Dispatcher.stream, dispatch.Dispatcher._open
 
-    async def timed_stream(self, req, rid, door):
-        r = stamps[rid] = {"stream": time.monotonic()}
-        async for d in stream(self, req, rid, door):
+    async def timed_stream(self, req, door):
+        r = stamps[req.request_id] = {"stream": time.monotonic()}
+        async for d in stream(self, req, door):
             r.setdefault("first", time.monotonic())
             yield d
 
