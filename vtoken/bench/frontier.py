@@ -8,6 +8,7 @@ Every configuration gets a KV pool of the same BYTES (``--kv-bytes``; an fp8 cac
   vtoken-0.25        the same at 0.25
   vtoken-0.25-floor  the same at 0.25 with ``pressure_floor`` ``--floor``: admission keeps that share of every
                      running request's tokens, so requests wait instead of shedding below it
+  vtoken-0.5-norecall  vtoken-0.5 without recall (``recall_every`` 0): what recall buys, for its default
   vtoken-fp8-0.5     vToken on an fp8 cache at 0.5, and at 0.25 (``vtoken-fp8-0.25``)
 
 For each configuration, two measurements with the same engine settings:
@@ -53,14 +54,16 @@ class Config(NamedTuple):
     kv_cache_dtype: str  # vLLM's: auto (the model's dtype) or fp8
     budget: float | None  # None: vToken off
     floor: bool = False  # pressure_floor at --floor
+    recall: bool = True  # False: recall_every 0 (parked tokens come back only when the pool has room)
 
     def vtoken(self, args) -> dict[str, Any]:
         """The VTokenConfig of its engines: the served defaults (snapkv, pressure mode, the parking tier), and the
         prefill chunk every configuration reads prompts in."""
         if self.budget is None:
             return {"mode": "off"}
-        return {"mode": "vtoken", "policy": args.policy, "budget": self.budget, "evict": "pressure",
-                "pressure_floor": args.floor if self.floor else 0.0, "prefill_chunk": args.prefill_chunk}  # fmt: skip
+        cfg = {"mode": "vtoken", "policy": args.policy, "budget": self.budget, "evict": "pressure",
+               "pressure_floor": args.floor if self.floor else 0.0, "prefill_chunk": args.prefill_chunk}  # fmt: skip
+        return cfg if self.recall else {**cfg, "recall_every": 0}
 
 
 CONFIGS = {
@@ -71,6 +74,7 @@ CONFIGS = {
         Config("vtoken-0.5", "auto", 0.5),
         Config("vtoken-0.25", "auto", 0.25),
         Config("vtoken-0.25-floor", "auto", 0.25, floor=True),
+        Config("vtoken-0.5-norecall", "auto", 0.5, recall=False),
         Config("vtoken-fp8-0.5", "fp8", 0.5),
         Config("vtoken-fp8-0.25", "fp8", 0.25),
     )
