@@ -34,7 +34,8 @@ pool runs short (``plan_step``'s shortfall: blocks the running and waiting reque
 the free ones); then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
 lowest-scored ones and never below its budget (vtoken/core/shedding.py says in which order, and why), and go on keeping
 the rest. A request still reading its prompt parks what it sheds, and chooses among live and parked tokens with
-the question as in always mode, keeping as many as it holds.
+the question as in always mode, keeping as many as it holds. A request that chooses in a step (the question, or a
+recall) gives up its share of that step's shortfall in the same choice (its one compaction of the step).
 """
 
 from __future__ import annotations
@@ -435,9 +436,16 @@ class Compactor:
                 self._sync(st, p.num_computed)
             fresh[st.request_id], st.stats = st.stats, None
         todo = [(p, st) for p, st in todo if st.request_id not in self.failed]
+        joint: dict[str, dict] = {}  # pressure mode: requests that choose among live and parked tokens this step
         for p, st in todo:
             with self.isolated(st.request_id):
                 stats = fresh[st.request_id]
+                if (st.phase is Phase.CHOOSING or self._recalls(st, stats)) and st.schedule.eager:
+                    # A choice is the request's one compaction of the step, so it comes after the shed is planned
+                    # and gives up the request's share in the same choice; chosen first, the request could not
+                    # shed, and a running request's growth found no block (issue 58: a recall at every step).
+                    joint[st.request_id] = stats
+                    continue
                 if st.phase is Phase.CHOOSING:
                     batch = self._choose_with_parked(st, stats)
                 elif self._recalls(st, stats):
@@ -448,11 +456,18 @@ class Compactor:
                     batch = self._evict_by_policy(st, p, stats)
                 if batch is not None:
                     moves[st.request_id] = batch
-        if any(st.phase is Phase.KEEPING for _, st in todo):
+        if joint or any(st.phase is Phase.KEEPING for _, st in todo):
+            # a choice to come keeps the live count, so its blocks: its need counted now holds after it
             shortfall += sum(self._need(st, p.next_tokens) for p, st in todo if st.request_id not in self.failed)
         if shortfall > 0:
-            for st, batch in self._shed(todo, fresh, shortfall):
+            for st, batch in self._shed(todo, fresh, shortfall, joint):
                 moves[st.request_id] = batch
+        for p, st in todo:  # the choices the shed left whole
+            if st.request_id in joint and st.compacted_at != self.step and st.request_id not in self.failed:
+                with self.isolated(st.request_id):
+                    batch = self._choose_now(st, p, joint[st.request_id])
+                    if batch is not None:
+                        moves[st.request_id] = batch
         set_blocks: dict[str, list[int]] = {}
         if shortfall <= 0 and not waiting and self.tier is not None and self.mode == "vtoken":
             for st, batch in self._reinflate(todo, watermark):
@@ -578,10 +593,12 @@ class Compactor:
         park = self.tier is not None and bool(st.policy.needs)
         return self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
 
-    def _shed(self, todo, fresh, shortfall: int):
+    def _shed(self, todo, fresh, shortfall: int, joint: dict[str, dict]):
         """Pressure mode: requests still keeping every token give back what the shortfall needs, with the fewest
         tokens (vtoken/core/shedding.py: the order and why), each its lowest-scored candidates and never below its
-        budget; a request still reading its prompt parks what it sheds. Yields (request, its moves)."""
+        budget; a request still reading its prompt parks what it sheds. A request in ``joint`` (request -> its
+        statistics) chooses among live and parked tokens this step: its choice keeps that many fewer live tokens,
+        the losers parked. Yields (request, its moves)."""
         found = []
         for p, st in todo:
             with self.isolated(st.request_id):
@@ -603,18 +620,22 @@ class Compactor:
                 st.record.shed_tokens += int(count)
                 logger.debug("vtoken: request %s sheds %d tokens (the pool is %d blocks short)", st.request_id,
                              count, shortfall)  # fmt: skip
-                park = self.tier is not None and bool(st.policy.needs)
-                victims = np.sort(ranked[:count])
-                batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
+                if st.request_id in joint:
+                    batch = self._choose_now(st, p, joint[st.request_id], shed=int(count))
+                if st.compacted_at != self.step:  # not chosen (no parked statistics after all): its lowest-scored
+                    park = self.tier is not None and bool(st.policy.needs)
+                    victims = np.sort(ranked[:count])
+                    batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
             if batch is not None:
                 yield st, batch
 
     def _shed_candidate(self, st: RequestState, p: Progress, stats):
         """(its Holder, p, st, its candidates ranked, its tokens above its floor) of a request that may shed now,
         or None."""
-        if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
+        chooses = st.phase is Phase.CHOOSING and st.schedule.eager  # its choice sheds too (plan_step's ``joint``)
+        if not (st.phase is Phase.KEEPING or chooses) or (st.policy.needs and stats is None and st.known is None):
             return None
-        if st.compacted_at == self.step:  # it chose with the question this step, and came back to keeping
+        if st.compacted_at == self.step:  # compacted already this step (one compaction a step)
             return None
         step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
         if step is None:
@@ -784,20 +805,28 @@ class Compactor:
                 self._discard(st, mine)
                 self.totals.tokens_dropped_full += int(mine.size)
 
-    def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
+    def _choose_now(self, st: RequestState, p: Progress, stats, shed: int = 0) -> MoveBatch | None:
+        """The choice among live and parked tokens a request makes this step: with the question, or a recall."""
+        if st.phase is Phase.CHOOSING:
+            return self._choose_with_parked(st, stats, shed)
+        return self._recall(st, stats, p.num_output, shed)
+
+    def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None, shed: int = 0):
         """The decision of a ``choosing`` request: its live and parked tokens chosen by the last chunk's window
-        over both (``_choose``), then back to reading, decoding or keeping."""
-        keep = st.table.num_live if st.schedule.eager else None  # pressure mode keeps as many as it holds
+        over both (``_choose``), then back to reading, decoding or keeping. ``shed``: pressure mode's share of a
+        shortfall, given up in the same choice."""
+        keep = st.table.num_live - shed if st.schedule.eager else None  # pressure mode keeps as many as it holds
         batch = self._choose(st, stats, keep, step=0)
         self._chosen(st)
         return batch
 
-    def _recall(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int) -> MoveBatch | None:
+    def _recall(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int, shed: int = 0):
         """Recall while decoding: the request's decode window scored over its live and parked keys (one softmax)
         chooses again among both. A decoding request keeps to its budget (the decision its decode step was due
-        anyway), a keeping one (pressure mode) as many tokens as it holds: parked winners swap with live losers,
-        so the live count, and the blocks, stay the same."""
-        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live
+        anyway), a keeping one (pressure mode) as many tokens as it holds, less ``shed`` (its share of a
+        shortfall, ``_shed``): parked winners swap with live losers, so the live count, and the blocks, stay the
+        same, or shrink by what the pool is short."""
+        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live - shed
         self.totals.recalls += 1
         return self._choose(st, stats, keep, step=num_output)
 
