@@ -18,6 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from cluster.proto import vtoken_pb2 as pb
 from cluster.serving.requests import BadRequest, RequestContext, vtoken_options
+from vtoken.config import VTokenConfig
 
 
 class Rendered(NamedTuple):
@@ -93,7 +94,7 @@ def sampling_fields(s: pb.SamplingParams) -> dict[str, Any]:
     return out
 
 
-async def render(msg: pb.GenerateRequest, state: Any, model_name: str, served_vtoken: dict[str, Any]) -> Rendered:
+async def render(msg: pb.GenerateRequest, state: Any, model_name: str, served_vtoken: VTokenConfig) -> Rendered:
     """The request checked and rendered by vLLM's serving classes in ``state`` (vLLM's app state); BadRequest for
     anything they refuse, with their message."""
     from pydantic import ValidationError

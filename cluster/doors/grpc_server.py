@@ -36,6 +36,7 @@ from cluster.serving.dispatch import Dispatcher, Refused, internal_message
 from cluster.serving.frontend import Served
 from cluster.serving.requests import CONTEXT, BadRequest, render_too_long
 from cluster.serving.work import WorkTally, request_work
+from vtoken.config import VTokenConfig
 
 log = logging.getLogger("vtoken.gateway")
 SERVICE = pb.DESCRIPTOR.services_by_name["VToken"].full_name
@@ -48,6 +49,7 @@ class Gateway:
         """``served``: vLLM's app over the replicas (cluster/serving/frontend.py), whose serving classes render
         Generate's requests; None serves only the control RPCs (tests of the server's start)."""
         self.cfg, self.g, self.controller, self.dispatcher = cfg, cfg.gateway, controller, dispatcher
+        self.served_vtoken = VTokenConfig(**cfg.vtoken)  # the deployment's eviction config, once
         self.state = served.app.state if served is not None else None
         self.engine = served.engine if served is not None else None
         self.capacity = CapacityFeed(controller)
@@ -164,7 +166,7 @@ class Gateway:
 
                 async def rendered():
                     await stage.turn()
-                    return await render(msg, self.state, self.cfg.model_name, self.cfg.vtoken)
+                    return await render(msg, self.state, self.cfg.model_name, self.served_vtoken)
 
                 try:
                     req = await asyncio.wait_for(rendered(), g.parse_timeout_s)

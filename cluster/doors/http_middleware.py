@@ -206,7 +206,7 @@ class Door:
             grammar = "response_format" if obj.get("response_format") is not None else "structured_outputs"
             ctx = ctx._replace(tally=WorkTally(g.max_request_tokens, bs), grammar_field=grammar)
         if isinstance(obj, dict) and EXTENSION in obj:
-            ctx = ctx._replace(eviction=vtoken_options(obj.pop(EXTENSION), self.gw.cfg.vtoken))
+            ctx = ctx._replace(eviction=vtoken_options(obj.pop(EXTENSION), self.gw.served_vtoken))
             body = json.dumps(obj).encode()
             rest = [(k, v) for k, v in scope.get("headers") or () if k != b"content-length"]
             scope = {**scope, "headers": [*rest, (b"content-length", str(len(body)).encode())]}

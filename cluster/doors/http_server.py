@@ -32,6 +32,7 @@ from cluster.doors.sockets import bind_socket
 from cluster.serving.dispatch import Dispatcher
 from cluster.serving.frontend import Served
 from cluster.serving.metrics import CONTENT_TYPE
+from vtoken.config import VTokenConfig
 
 log = logging.getLogger("vtoken.http")
 
@@ -40,6 +41,7 @@ class HttpGateway:
     def __init__(self, cfg: ServeConfig, controller: Any, dispatcher: Dispatcher, served: Served):
         self.cfg, self.g, self.controller, self.dispatcher = cfg, cfg.gateway, controller, dispatcher
         self.metrics = dispatcher.metrics
+        self.served_vtoken = VTokenConfig(**cfg.vtoken)  # the deployment's eviction config, once
         self.vllm_app = served.app
         self.max_model_len = served.engine.model_config.max_model_len  # what bounds a request's max tokens
         self.template_variables = served.engine.template_variables  # what chat_template_kwargs may set

@@ -57,13 +57,14 @@ class Eviction(NamedTuple):
     config: VTokenConfig
 
 
-def vtoken_options(options: Any, served: dict[str, Any]) -> Eviction:
+def vtoken_options(options: Any, served: VTokenConfig | dict[str, Any]) -> Eviction:
     """The one check of a request's eviction options, for both doors (gRPC ``VTokenOptions``, HTTP's
     ``"vtoken": {...}``): a mapping of ``request_args`` keys (policy, budget, interval, sink, recent, seed,
     policy_params, prefill_evict, prefill_window, evict, pressure_floor) that ``request_args`` accepts and that the
     served config accepts too (``VTokenConfig.for_request``: e.g. h2o on an engine that collects no attention scores
-    is refused). What passes is exactly what the engine will accept; refusals are BadRequest naming vtoken.<key>."""
-    cfg = VTokenConfig(**served)
+    is refused). What passes is exactly what the engine will accept; refusals are BadRequest naming vtoken.<key>.
+    ``served``: the deployment's config, built once by each door (or its ``serve.yaml`` mapping)."""
+    cfg = served if isinstance(served, VTokenConfig) else VTokenConfig(**served)
     if options is None or options == {}:
         return Eviction(None, cfg)
     if not isinstance(options, dict):
