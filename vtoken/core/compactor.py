@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vtoken.core.budget import forward_bound, kept_tokens
+from vtoken.core.budget import forward_bound
 from vtoken.core.move_batch import MoveBatch
 from vtoken.core.packing import kill_and_pack
 from vtoken.core.park import TierSlots
@@ -56,7 +56,15 @@ from vtoken.core.policies import EvictionPolicy, PolicyInput
 from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.core.request_state import RequestState
 from vtoken.core.schedule import Schedule
-from vtoken.core.shedding import Holder, admissible, floor_tokens, plan_sheds, plan_sheds_above, reserved_blocks
+from vtoken.core.shedding import (
+    Holder,
+    admit_at_floors,
+    admit_to_tier,
+    floor_tokens,
+    plan_sheds,
+    plan_sheds_above,
+    tier_need,
+)
 from vtoken.core.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
@@ -524,38 +532,28 @@ class Compactor:
 
     def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
         """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
-        admitted so that every request fits in the pool at its floor (vtoken/core/shedding.py admissible); None when
-        neither the engine nor any request, running or waiting, has a floor (the engine admits as it would).
-        ``waiting``: each one's (tokens, tokens its budget keeps of them, its floor: 0 in always mode). A request in
-        always mode reserves its budget, one in pressure mode its floor, each with the token it writes next; one
-        prefill chunk is set aside for all (a request reading its prompt holds its next chunk on top of its floor;
-        more than one such chunk at once sheds towards the budgets instead)."""
+        admitted so that every request fits in the pool at its floor (vtoken/core/shedding.py admit_at_floors);
+        None when neither the engine nor any request, running or waiting, has a floor (the engine admits as it
+        would). ``waiting``: each one's (tokens, tokens its budget keeps of them, its floor: 0 in always mode)."""
         if not (self.floored() or any(f > 0 for _, _, f in waiting)):
             return None
-        reserved = 0
+        running = []
         for st in self.states.values():
             length = max(st.prefill_len, st.table.num_logical)
-            reserved += reserved_blocks(length, st.keep(length), st.floor, 1, self.bs)
-        need = [reserved_blocks(n, keep, floor, 1, self.bs) for n, keep, floor in waiting]
-        return admissible(reserved, need, self.pool.num_gpu_blocks - 1 - watermark - -(-chunk // self.bs))
+            running.append((length, st.keep(length), st.floor))
+        return admit_at_floors(running, waiting, self.pool.num_gpu_blocks - 1, watermark, chunk, self.bs)
 
     def tier_admissible(self, waiting: Sequence[int]) -> int | None:
-        """How many of the waiting requests, in order, the parking tier admits: each reserves what it may park at
-        most (``waiting[i]``: its tokens at its longest less what its budget keeps of them; ``RequestState.
-        tier_need`` for the running ones), so a request is never admitted into a tier that cannot hold what it
-        will park (when it is full anyway, the oldest parked tokens go first: ``_make_room``). None without a tier.
-        With nothing running the first is admitted whatever it reserves (shedding.admissible)."""
+        """How many of the waiting requests, in order, the parking tier admits (vtoken/core/shedding.py
+        admit_to_tier; ``waiting[i]``: its ``tier_need``), so that this tier rarely has to free the oldest parked
+        tokens (``_make_room``). None without a tier."""
         if self.tier is None:
             return None
-        reserved = sum(st.tier_need for st in self.states.values())
-        return admissible(reserved, [min(n, self.tier.capacity) for n in waiting], self.tier.capacity)
+        return admit_to_tier(sum(st.tier_need for st in self.states.values()), waiting, self.tier.capacity)
 
     def tier_need(self, policy: EvictionPolicy, max_len: int) -> int:
-        """What a request may park at most: its tokens at its longest less what its budget keeps (0 without a tier,
-        or for a policy that scores nothing and so parks nothing)."""
-        if self.tier is None or not policy.needs:
-            return 0
-        return max(0, int(max_len) - kept_tokens(int(max_len), policy.budget, policy.sink, policy.recent))
+        """What a request may park at most (vtoken/core/shedding.py tier_need; 0 without a tier)."""
+        return 0 if self.tier is None else tier_need(policy, max_len)
 
     def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
         """Blocks the waiting requests' first forwards need, plus the watermark, beyond the free ones."""
