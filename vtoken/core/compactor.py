@@ -54,6 +54,7 @@ from vtoken.core.phase import Phase, check_phase
 from vtoken.core.planner import to_global_slots
 from vtoken.core.policies import EvictionPolicy, PolicyInput
 from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_seed
+from vtoken.core.reporting import CoreReport, core_report, core_stats
 from vtoken.core.request_state import RequestState
 from vtoken.core.schedule import Schedule
 from vtoken.core.shedding import (
@@ -99,25 +100,6 @@ class StepPlan(NamedTuple):
     restore: MoveBatch = MoveBatch.empty()  # tier slot -> pool slot, written after this step's moves
     tier_freed: np.ndarray = np.empty(0, np.int64)  # tier slots given back this step (the worker's boxes follow)
     set_blocks: dict[str, list[int]] = {}  # request -> its whole block list, where blocks were added (re-inflation)
-
-
-class CoreReport(NamedTuple):
-    """The compactor in a few numbers, for a replica's frequent pool report: O(requests + blocks)."""
-
-    live_tokens: int
-    retained_blocks: int  # blocks the requests hold (naive mode: with the ballast)
-    naive_retained_blocks: int  # what Naive-Evict would hold for the same live tokens
-    admitted: tuple[str, ...]  # the callers' ids of the requests it tracks
-    blocks_freed: int  # counters since the engine started
-    tokens_evicted: int
-    tokens_moved: int
-    compaction_seconds: float
-    preemptions: int
-    parked_tokens: int = 0  # in the tier now
-    tier_tokens: int = 0  # the tier's size (0: none)
-    tokens_recalled: int = 0  # counters since the engine started
-    recalls: int = 0
-    recall_bytes: int = 0
 
 
 class Restore(NamedTuple):
@@ -383,48 +365,21 @@ class Compactor:
 
     def note_step(self, running: int, seconds: float) -> None:
         """The engine's step: how many requests ran, and the host time spent planning and recording."""
-        self.totals.peak_running = max(self.totals.peak_running, running)
-        self.totals.compaction_seconds += seconds
+        self.totals.note_step(running, seconds)
 
-    def note_worker(
-        self,
-        move_seconds: float,
-        bytes_moved: int,
-        tokens_moved: int = 0,
-        score_seconds: float = 0.0,
-        recall_bytes: int = 0,
-        recall_seconds: float = 0.0,
-    ) -> None:
-        """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
-        self.totals.recall_bytes += recall_bytes
-        self.totals.recall_seconds += recall_seconds
-        self.totals.score_seconds += score_seconds
-        self.totals.move_seconds += move_seconds
-        self.totals.bytes_moved += bytes_moved
-        self.totals.tokens_moved += tokens_moved
+    def note_worker(self, move_seconds: float, bytes_moved: int, **kw: Any) -> None:
+        """The worker's side of a step (records.py EngineTotals.note_worker: ``tokens_moved``, ``score_seconds``,
+        ``recall_bytes``, ``recall_seconds``), and moves made outside the compactor's plans (testing relocation)."""
+        self.totals.note_worker(move_seconds, bytes_moved, **kw)
 
     def stats(self, reset: bool = False, running: int = 0) -> dict[str, Any]:
-        """Per-request figures and the engine's totals (vtoken/core/records.py). Walks every request: for tests and
+        """Per-request figures and the engine's totals (vtoken/core/reporting.py core_stats): for tests and
         benchmarks. ``reset``: afterwards start peak_running (at ``running``) and the finished list afresh."""
-        reqs = {}
-        for rid, st in self.states.items():
-            reqs[st.record.request_id] = st.record.snapshot(st.table, len(self.blocks_of(rid)), len(st.ballast))
-        out = {"requests": reqs, **self.totals.summary(reqs, self.bs)}
-        out["parked_tokens"] = sum(st.parked.size for st in self.states.values())
-        out["tier_tokens"] = self.tier.capacity if self.tier is not None else 0
-        if reset:
-            self.totals.peak_running = running
-            self.totals.finished.clear()
-        return out
+        return core_stats(self.states, self.blocks_of, self.totals, self.bs, self.tier, reset, running)
 
     def report(self) -> CoreReport:
-        live, retained, naive = self.pool_totals()
-        admitted = tuple(sorted(st.record.request_id for st in self.states.values()))
-        t = self.totals
-        parked = sum(st.parked.size for st in self.states.values())
-        return CoreReport(live, retained, naive, admitted, t.blocks_freed, t.tokens_evicted, t.tokens_moved,
-                          t.compaction_seconds, t.preemptions, parked, self.tier.capacity if self.tier else 0,
-                          t.tokens_recalled, t.recalls, t.recall_bytes)  # fmt: skip
+        """The compactor in a few numbers, for a replica's frequent pool report (reporting.py core_report)."""
+        return core_report(self.states, self.blocks_of, self.totals, self.tier)
 
     # ---------------------------------------------------------------- before vLLM schedules
     def plan_step(self, progress: Iterable[Progress], waiting: Sequence[int] = (), watermark: int = 0) -> StepPlan:
@@ -974,15 +929,6 @@ class Compactor:
         return [st.request_id for st, _, _ in decoders], score
 
     # ---------------------------------------------------------------- observability
-    def pool_totals(self) -> tuple[int, int, int]:
-        """(live tokens, retained blocks, Naive-Evict's blocks) over every request: O(requests + blocks)."""
-        live = retained = naive = 0
-        for st in self.states.values():
-            live += st.table.num_live
-            retained += len(self.blocks_of(st.request_id)) + len(st.ballast)
-            naive += st.table.naive_blocks()
-        return live, retained, naive
-
     def check_integrity(self, moves: MoveBatch | None = None) -> None:
         """Blocks against TokenTables, ballast disjoint from every block list, parked tokens only where a phase
         has them, a step's moves well formed."""

@@ -179,6 +179,28 @@ class EngineTotals:
     finished: list[dict[str, Any]] = field(default_factory=list)
     keep_finished: int = 1000  # a long-running server keeps the last this many finished records
 
+    def note_step(self, running: int, seconds: float) -> None:
+        """The engine's step: how many requests ran, and the host time spent planning and recording."""
+        self.peak_running = max(self.peak_running, running)
+        self.compaction_seconds += seconds
+
+    def note_worker(
+        self,
+        move_seconds: float,
+        bytes_moved: int,
+        tokens_moved: int = 0,
+        score_seconds: float = 0.0,
+        recall_bytes: int = 0,
+        recall_seconds: float = 0.0,
+    ) -> None:
+        """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
+        self.recall_bytes += recall_bytes
+        self.recall_seconds += recall_seconds
+        self.score_seconds += score_seconds
+        self.move_seconds += move_seconds
+        self.bytes_moved += bytes_moved
+        self.tokens_moved += tokens_moved
+
     def add_finished(self, record: RequestRecord) -> None:
         self.finished.append({"request_id": record.request_id, **(record.final or {})})
         del self.finished[: -self.keep_finished]
