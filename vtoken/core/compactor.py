@@ -48,11 +48,12 @@ import numpy as np
 
 from vtoken.core.budget import forward_bound
 from vtoken.core.move_batch import MoveBatch
-from vtoken.core.packing import kill_and_pack
+from vtoken.core.packing import kill_and_pack, protected_blocks, protected_tokens
 from vtoken.core.park import TierSlots
 from vtoken.core.phase import Phase, check_phase
 from vtoken.core.planner import to_global_slots
 from vtoken.core.policies import EvictionPolicy, PolicyInput
+from vtoken.core.recall import Recall, Restore, parked_while_reading, recalls
 from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.core.reporting import CoreReport, core_report, core_stats
 from vtoken.core.request_state import RequestState
@@ -102,15 +103,6 @@ class StepPlan(NamedTuple):
     set_blocks: dict[str, list[int]] = {}  # request -> its whole block list, where blocks were added (re-inflation)
 
 
-class Restore(NamedTuple):
-    """Parked tokens coming back into the pool: their logical positions, tier slots and the forwards that parked
-    them (taken out of ``Parked`` already)."""
-
-    logical: np.ndarray
-    tier: np.ndarray
-    at_forward: np.ndarray
-
-
 class CompactorError(RuntimeError):
     """The engine and the compactor disagree about a request (a bug, never a user error)."""
 
@@ -133,7 +125,6 @@ class Compactor:
         if mode not in MODES:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
-        self.tier = tier
         self.floor = float(floor)  # pressure_floor of requests added without their own (vtoken/core/shedding.py)
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
@@ -141,8 +132,18 @@ class Compactor:
         self.step = 0
         self._park: list[tuple[str, MoveBatch]] = []  # this step's park and restore moves, by request
         self._restore: list[tuple[str, MoveBatch]] = []
+        self.recall = Recall(tier, self.bs, pool, blocks_of, self.states, self.totals, self._compact)
         # Requests whose decision, compaction or shed raised: each ends alone, with an error (``take_failed``).
         self.failed: dict[str, str] = {}
+
+    @property
+    def tier(self) -> TierSlots | None:
+        """The parking tier's slots (None: no parking), held by ``recall``."""
+        return self.recall.tier
+
+    @tier.setter
+    def tier(self, tier: TierSlots | None) -> None:
+        self.recall.tier = tier
 
     # ---------------------------------------------------------------- request life
     def add(
@@ -231,12 +232,7 @@ class Compactor:
                 **fields}  # fmt: skip
 
     def _forget(self, st: RequestState, finished: bool) -> None:
-        if st.parked.size:  # finished or preempted with tokens parked: hidden since they were parked, now gone
-            if st.request_id in self.failed:
-                self.tier.give(st.parked.tier)
-                st.parked.clear()
-            else:
-                self._discard(st, np.arange(st.parked.size))
+        self.recall.forget(st, failed=st.request_id in self.failed)
         if finished:
             if st.request_id not in self.failed:  # a failed request's record may be half updated: not counted
                 st.record.finish(st.table, len(self.blocks_of(st.request_id)), len(st.ballast))
@@ -403,8 +399,8 @@ class Compactor:
                 stats = fresh[st.request_id]
                 if st.phase is Phase.CHOOSING:
                     batch = self._choose_with_parked(st, stats)
-                elif self._recalls(st, stats):
-                    batch = self._recall(st, stats, p.num_output)
+                elif recalls(st, stats):
+                    batch = self.recall.while_decoding(st, stats, p.num_output)
                 elif st.phase is Phase.KEEPING:
                     continue  # pressure mode: keeps every token until the pool runs short
                 else:
@@ -443,46 +439,20 @@ class Compactor:
 
     def _reinflate(self, todo, watermark: int):
         """The pool has room beyond the watermark and nothing waits: pressure-mode requests that have read their
-        prompts get parked tokens back, the best first (their latest scores; across requests), into blocks taken
-        from the pool for them, as many as the room holds beside every running request's next forward, so a
-        pressure spell stops costing answers once it ends. (A request in ``always`` mode keeps to its budget: its
-        bound is what its user asked for.) Returns (request, its moves) for each."""
-        keepers = [(p, st) for p, st in todo if st.phase is Phase.KEEPING and not st.in_prefill and st.parked.size
-                   and st.compacted_at != self.step and st.request_id not in self.failed]  # fmt: skip
+        prompts get parked tokens back (vtoken/core/recall.py ``Recall.reinflation``), as many as the room holds
+        beside every running request's next forward, so a pressure spell stops costing answers once it ends.
+        Returns (request, its moves) for each."""
+        keepers = [(p, st) for p, st in todo if Recall.may_reinflate(st, self.step)
+                   and st.request_id not in self.failed]  # fmt: skip
         if not keepers:
             return []
         spare = self.pool.get_num_free_blocks() - watermark - sum(self._need(st, p.next_tokens) for p, st in todo)
         if spare <= 0:
             return []
-        owner = np.concatenate([np.full(st.parked.size, i) for i, (_, st) in enumerate(keepers)])
-        index = np.concatenate([np.arange(st.parked.size) for _, st in keepers])
-        score = np.concatenate([st.parked.score for _, st in keepers])
-        order = np.lexsort((index, owner, -score))  # best first; ties: the request first, then the oldest parked
-        owner, index = owner[order], index[order]
-        # the c-th token taken for a request needs a new block when it lands at the start of one past its blocks
-        by_owner = np.argsort(owner, kind="stable")
-        rank = np.empty(owner.size, np.int64)
-        starts = np.searchsorted(owner[by_owner], np.arange(len(keepers)))
-        rank[by_owner] = np.arange(owner.size) - np.repeat(starts, np.diff(np.append(starts, owner.size)))
-        phys = np.array([st.table.physical_len for _, st in keepers])[owner]
-        room = np.array([len(self.blocks_of(st.request_id)) * self.bs for _, st in keepers])[owner]
-        at = phys + rank  # the slot the token lands in
-        new_block = (at >= room) & ((at - room) % self.bs == 0)
-        taken = np.cumsum(new_block) <= spare
         done = []
-        for i, (p, st) in enumerate(keepers):
-            mine = index[taken & (owner == i)]
-            if not mine.size:
-                continue
+        for (p, st), mine in self.recall.reinflation(keepers, spare):
             with self.isolated(st.request_id):
-                blocks = self.blocks_of(st.request_id)
-                need = -(-(st.table.physical_len + mine.size) // self.bs) - len(blocks)
-                if need > 0:
-                    blocks.extend(self.pool.get_new_blocks(need))
-                back = Restore(st.parked.logical[mine], st.parked.tier[mine], st.parked.at_forward[mine])
-                st.parked.drop(mine)
-                self.totals.tokens_reinflated += int(mine.size)
-                done.append((st, self._compact(st, np.empty(0, np.int64), p.num_output, park=False, restore=back)[0]))
+                done.append((st, self.recall.reinflate(st, mine, p.num_output)))
         return done
 
     def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
@@ -501,7 +471,7 @@ class Compactor:
     def tier_admissible(self, waiting: Sequence[int]) -> int | None:
         """How many of the waiting requests, in order, the parking tier admits (vtoken/core/shedding.py
         admit_to_tier; ``waiting[i]``: its ``tier_need``), so that this tier rarely has to free the oldest parked
-        tokens (``_make_room``). None without a tier."""
+        tokens (``Recall.make_room``). None without a tier."""
         if self.tier is None:
             return None
         return admit_to_tier(sum(st.tier_need for st in self.states.values()), waiting, self.tier.capacity)
@@ -598,27 +568,11 @@ class Compactor:
         if (
             st.phase in (Phase.READING, Phase.KEEPING)
             and not st.chose
-            and st.schedule.chooses(self._parked_while_reading(st), n, st.prefill_len)
+            and st.schedule.chooses(parked_while_reading(st), n, st.prefill_len)
         ):
             self._to(st, Phase.CHOOSING, f"the question read ({n} of {st.prefill_len}), {st.parked.size} parked")
         elif st.phase is Phase.READING and n >= st.prefill_len:
             self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
-
-    @staticmethod
-    def _recalls(st: RequestState, stats) -> bool:
-        """A decoding request whose window was just scored over its parked tokens too: it chooses again."""
-        return (
-            stats is not None
-            and "parked:slots" in stats
-            and not st.in_prefill
-            and st.phase in (Phase.DECODING, Phase.KEEPING)
-        )
-
-    @staticmethod
-    def _parked_while_reading(st: RequestState) -> bool:
-        """Tokens parked before the prompt's last forward (a shed at the boundary right after it is a decoding
-        request's): what the choice with the question chooses among."""
-        return bool((st.parked.at_forward < len(st.record.prefill_chunks)).any())
 
     def _decide(self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None) -> np.ndarray:
         excess = st.table.num_live - st.keep(st.table.num_logical)
@@ -634,23 +588,8 @@ class Compactor:
         if st.policy.needs:
             slots = st.table.slot_of[live]
             named = {name: stats[name][slots] for name in st.policy.needs}
-        return PolicyInput(st.table.num_logical, step, live, named, self._protected(st, live), st.record.seed)
-
-    def _protected_blocks(self, st: RequestState) -> int:
-        """Blocks at the head of the request's list that are never evicted from or moved: every block up to the
-        last one another request also holds (ref_cnt > 1, e.g. a cached prefix). Shared blocks are a prefix in
-        the usual case; after a cache entry was dropped mid-prefix, vLLM can hand a later request a mix of
-        copies, and a private block between two shared ones is then kept whole too (the planner moves nothing
-        below the protected length)."""
-        shared = np.flatnonzero([b.ref_cnt > 1 for b in self.blocks_of(st.request_id)])
-        return int(shared[-1]) + 1 if shared.size else 0
-
-    def _protected(self, st: RequestState, live: np.ndarray) -> np.ndarray | None:
-        """Tokens in protected blocks are never evicted (the paper's rule for shared blocks)."""
-        n = self._protected_blocks(st)
-        if not n:
-            return None
-        return st.table.slot_of[live] < n * self.bs
+        protected = protected_tokens(st.table, live, self.blocks_of(st.request_id), self.bs)
+        return PolicyInput(st.table.num_logical, step, live, named, protected, st.record.seed)
 
     def evict(self, st: RequestState, victims: np.ndarray, step: int = 0, park: bool = False) -> tuple[MoveBatch, int]:
         """Kill ``victims`` (logical positions), pack the survivors, shrink the block list, free what emptied.
@@ -663,9 +602,9 @@ class Compactor:
         self, st: RequestState, victims: np.ndarray, step: int, park: bool, restore: Restore | None = None
     ) -> tuple[MoveBatch, int]:
         """The one kill-park-pack-restore of a request in a step. ``park``: victims go to the tier (the oldest
-        parked tokens of any request make room when it is full, ``_make_room``; what still does not fit dies).
+        parked tokens of any request make room when it is full, ``Recall.take``; what still does not fit dies).
         ``restore``: parked tokens coming back (already taken out of ``st.parked``), into the slots right after
-        the packed survivors: the request's blocks must hold them (``_reinflate`` adds blocks first)."""
+        the packed survivors: the request's blocks must hold them (``Recall.reinflate`` adds blocks first)."""
         if st.compacted_at == self.step:
             raise CompactorError(f"request {st.request_id} compacted twice in step {self.step}")
         st.compacted_at = self.step
@@ -673,9 +612,9 @@ class Compactor:
         ids = [b.block_id for b in blocks]
         if restore is not None:  # their tier slots are free again: the worker fetches them before any park lands
             self.tier.give(restore.tier)
-        packed = kill_and_pack(st.table, victims, ids, self.bs, self._protected_blocks(st))
+        packed = kill_and_pack(st.table, victims, ids, self.bs, protected_blocks(blocks))
         holes, plan = packed.holes, packed.plan
-        tier = self._take_tier(len(victims)) if park and len(victims) else np.empty(0, np.int64)
+        tier = self.recall.take(len(victims), self.step) if park and len(victims) else np.empty(0, np.int64)
         if tier.size:  # parked: hidden from the next forward on, kept in the tier
             st.parked.add(victims[: tier.size], tier, st.record.forwards, self.step, step)
             self._park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
@@ -708,102 +647,13 @@ class Compactor:
         self.totals.tokens_moved += plan.num_moves
         return packed.moves, kept
 
-    def _take_tier(self, n: int) -> np.ndarray:
-        """Up to ``n`` tier slots; when the tier has fewer free, the oldest parked tokens of any request are freed
-        for good to make room (tokens parked in this very step are not: their copies are already planned)."""
-        short = n - self.tier.num_free
-        if short > 0:
-            self._make_room(short)
-        return self.tier.take(n)
-
-    def _make_room(self, n: int) -> None:
-        """The tier is full: free the ``n`` oldest parked tokens (by ``Parked.seq``, across requests; ties: the
-        request admitted first), each evicted from the forward that parked it. One rule for what leaves the tier."""
-        who, idx, seq = [], [], []
-        for st in self.states.values():
-            old = np.flatnonzero(st.parked.seq < self.step)
-            if old.size:
-                who += [st] * old.size
-                idx.append(old)
-                seq.append(st.parked.seq[old])
-        if not who:
-            return
-        idx, seq = np.concatenate(idx), np.concatenate(seq)
-        order = np.argsort(seq, kind="stable")[:n]
-        owners = np.array([id(st) for st in who], dtype=np.int64)[order]
-        for st in {id(s): s for s in who}.values():
-            mine = idx[order][owners == id(st)]
-            if mine.size:
-                self._discard(st, mine)
-                self.totals.tokens_dropped_full += int(mine.size)
-
     def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
         """The decision of a ``choosing`` request: its live and parked tokens chosen by the last chunk's window
-        over both (``_choose``), then back to reading, decoding or keeping."""
+        over both (``Recall.choose``), then back to reading, decoding or keeping."""
         keep = st.table.num_live if st.schedule.eager else None  # pressure mode keeps as many as it holds
-        batch = self._choose(st, stats, keep, step=0)
+        batch = self.recall.choose(st, stats, keep, step=0)
         self._chosen(st)
         return batch
-
-    def _recall(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int) -> MoveBatch | None:
-        """Recall while decoding: the request's decode window scored over its live and parked keys (one softmax)
-        chooses again among both. A decoding request keeps to its budget (the decision its decode step was due
-        anyway), a keeping one (pressure mode) as many tokens as it holds: parked winners swap with live losers,
-        so the live count, and the blocks, stay the same."""
-        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live
-        self.totals.recalls += 1
-        return self._choose(st, stats, keep, step=num_output)
-
-    def _choose(self, st: RequestState, stats, keep: int | None, step: int) -> MoveBatch | None:
-        """The policy chooses among live and parked tokens by a window over both (``parked:<name>`` statistics,
-        aligned with the tier slots it scored): live losers are parked (they die only when the tier has no room),
-        parked winners come back into the slots the packing frees, parked losers stay parked. ``keep``: live tokens
-        after the choice (None: the budget's target). Without parked statistics (not expected) nothing changes."""
-        parked = st.parked
-        names = st.policy.needs
-        if stats is None or any(f"parked:{n}" not in stats for n in names) or not parked.size:
-            return None
-        scored = self._parked_scores(st, stats, names)
-        live = st.table.live_logical()
-        slots = st.table.slot_of[live]
-        everyone = np.concatenate([live, parked.logical])
-        order = np.argsort(everyone, kind="stable")
-        named = {n: np.concatenate([stats[n][slots], scored[n]])[order] for n in names}
-        protected = self._protected(st, live)
-        if protected is not None:
-            protected = np.concatenate([protected, np.zeros(parked.size, bool)])[order]
-        inp = PolicyInput(st.table.num_logical, 0, everyone[order], named, protected, st.record.seed)
-        victims = st.policy.select(inp, keep=keep)
-        parked.score = scored[names[0]]
-        win = np.flatnonzero(~np.isin(parked.logical, victims))
-        room = len(self.blocks_of(st.request_id)) * self.bs - (live.size - int(np.isin(live, victims).sum()))
-        win = win[np.argsort(-parked.score[win], kind="stable")][: max(room, 0)]  # (never expected: no room)
-        dead = victims[~np.isin(victims, parked.logical)]
-        if not dead.size and not win.size:
-            return None
-        back = Restore(parked.logical[win], parked.tier[win], parked.at_forward[win])
-        parked.drop(win)
-        self.totals.tokens_recalled += int(win.size) if step else 0
-        batch, _ = self._compact(st, np.sort(dead), step, park=self.tier is not None, restore=back)
-        return batch
-
-    def _parked_scores(self, st: RequestState, stats, names) -> dict[str, np.ndarray]:
-        """Each parked token's ``parked:<name>`` statistic, by the tier slot it was scored at (``parked:slots``;
-        without it, in parking order). A token parked after the scoring has none (-inf: it stays parked)."""
-        asked = stats.get("parked:slots")
-        out = {}
-        for n in names:
-            values = np.asarray(stats[f"parked:{n}"], dtype=np.float64)
-            if asked is None:
-                out[n] = values[: st.parked.size]
-                continue
-            asked = np.asarray(asked, dtype=np.int64)
-            order = np.argsort(asked, kind="stable")
-            at = np.searchsorted(asked[order], st.parked.tier)
-            at = np.minimum(at, asked.size - 1)
-            found = asked[order][at] == st.parked.tier
-            out[n] = np.where(found, values[order][at], -np.inf)
-        return out
 
     def _chosen(self, st: RequestState) -> None:
         st.chose = True  # once a run: later its parked tokens come back by recall (decoding) or re-inflation
@@ -812,17 +662,6 @@ class Compactor:
         else:
             phase = Phase.READING if st.in_prefill else Phase.DECODING
         self._to(st, phase, "live and parked tokens chosen with the question")
-
-    def _discard(self, st: RequestState, which: np.ndarray) -> None:
-        """Parked tokens freed for good: evicted, in the trace, from the forward that parked them."""
-        p = st.parked
-        which = np.asarray(which, dtype=np.int64)
-        if not which.size:
-            return
-        st.record.record_deaths(p.logical[which], 0, at_forward=p.at_forward[which], at_step=p.at_step[which])
-        self.totals.tokens_evicted += int(which.size)
-        self.tier.give(p.tier[which])
-        p.drop(which)
 
     def _settle_ballast(self, st: RequestState, writing: int) -> None:
         """Naive mode: hold exactly the blocks Naive-Evict would hold beyond what the packed layout needs, for
