@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -103,6 +104,31 @@ class StepPlan(NamedTuple):
     set_blocks: dict[str, list[int]] = {}  # request -> its whole block list, where blocks were added (re-inflation)
 
 
+@dataclass(eq=False)
+class StepWork:
+    """One ``plan_step`` in the making, by request: the requests it runs for (``todo``, in the engine's order) and
+    what it has planned for them so far. A request that fails leaves it whole, at once (``drop``, called by
+    ``Compactor.isolated``): the step's later stages skip it, and the plan carries none of its moves, parks,
+    restores, block lists or gaps. So a failure is filtered once, where it happens, not at every use."""
+
+    todo: dict[str, tuple[Progress, RequestState]]
+    moves: dict[str, MoveBatch] = field(default_factory=dict)
+    park: list[tuple[str, MoveBatch]] = field(default_factory=list)  # pool slot -> tier slot, by request
+    restore: list[tuple[str, MoveBatch]] = field(default_factory=list)  # tier slot -> pool slot, by request
+    set_blocks: dict[str, list[int]] = field(default_factory=dict)  # whole block lists, where blocks were added
+
+    def running(self) -> list[tuple[Progress, RequestState]]:
+        """The requests still in the step (a copy: a stage may drop one while it walks them)."""
+        return list(self.todo.values())
+
+    def drop(self, request_id: str) -> None:
+        self.todo.pop(request_id, None)
+        self.moves.pop(request_id, None)
+        self.set_blocks.pop(request_id, None)
+        self.park = [(rid, b) for rid, b in self.park if rid != request_id]
+        self.restore = [(rid, b) for rid, b in self.restore if rid != request_id]
+
+
 class CompactorError(RuntimeError):
     """The engine and the compactor disagree about a request (a bug, never a user error)."""
 
@@ -130,8 +156,7 @@ class Compactor:
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
         self.step = 0
-        self._park: list[tuple[str, MoveBatch]] = []  # this step's park and restore moves, by request
-        self._restore: list[tuple[str, MoveBatch]] = []
+        self._work = StepWork({})  # the step in the making (``plan_step``)
         self.recall = Recall(tier, self.bs, pool, blocks_of, self.states, self.totals, self._compact)
         # Requests whose decision, compaction or shed raised: each ends alone, with an error (``take_failed``).
         self.failed: dict[str, str] = {}
@@ -285,12 +310,14 @@ class Compactor:
     @contextlib.contextmanager
     def isolated(self, request_id: str) -> Iterator[None]:
         """Work for one request: an exception in it (a policy that raises, a bug in a compaction) ends that request
-        alone. It is logged with its traceback and named in ``failed``; its moves, parks and restores of this step
-        are dropped; the engine's glue finishes it with an error (``take_failed``), which frees its blocks, while
-        every other request runs on. Without this, one request's exception stopped the engine for all of them."""
+        alone. It is logged with its traceback and named in ``failed``; in a ``plan_step`` it leaves the step at
+        once, with its moves, parks and restores (``StepWork.drop``); the engine's glue finishes it with an error
+        (``take_failed``), which frees its blocks, while every other request runs on. Without this, one request's
+        exception stopped the engine for all of them."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - whatever one request's decision raises is that request's failure
+            self._work.drop(request_id)
             if request_id not in self.failed:
                 logger.exception("vtoken: request %s failed while vToken decided for it; it ends with an error, "
                                  "the others run on", request_id)  # fmt: skip
@@ -382,19 +409,18 @@ class Compactor:
         """``waiting`` (pressure mode): the tokens the first forward of each request waiting to be admitted reads,
         in the order the engine admits them; ``watermark``: blocks kept free on top of the demand. With them the
         shortfall is taken from the pool as it stands before this step's evictions; the running requests' next
-        forwards are added once their tables are synced."""
+        forwards are added once their tables are synced. A request that fails on the way leaves the step at once
+        (``StepWork.drop``): the later stages run for the others only, and the plan carries nothing of it."""
         shortfall = self._waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
         self.step += 1
-        moves: dict[str, MoveBatch] = {}
-        self._park, self._restore = [], []
-        todo = [(p, self.states[p.request_id]) for p in progress if p.request_id in self.states]
+        self._work = work = StepWork({p.request_id: (p, self.states[p.request_id]) for p in progress
+                                      if p.request_id in self.states})  # fmt: skip
         fresh = {}  # statistics are used by the decision that follows them, once
-        for p, st in todo:
+        for p, st in work.running():
             with self.isolated(st.request_id):
                 self._sync(st, p.num_computed)
             fresh[st.request_id], st.stats = st.stats, None
-        todo = [(p, st) for p, st in todo if st.request_id not in self.failed]
-        for p, st in todo:
+        for p, st in work.running():
             with self.isolated(st.request_id):
                 stats = fresh[st.request_id]
                 if st.phase is Phase.CHOOSING:
@@ -406,35 +432,32 @@ class Compactor:
                 else:
                     batch = self._evict_by_policy(st, p, stats)
                 if batch is not None:
-                    moves[st.request_id] = batch
-        if any(st.phase is Phase.KEEPING for _, st in todo):
-            shortfall += sum(self._need(st, p.next_tokens) for p, st in todo if st.request_id not in self.failed)
+                    work.moves[st.request_id] = batch
+        if any(st.phase is Phase.KEEPING for _, st in work.running()):
+            shortfall += sum(self._need(st, p.next_tokens) for p, st in work.running())
         if shortfall > 0:
-            for st, batch in self._shed(todo, fresh, shortfall):
-                moves[st.request_id] = batch
-        set_blocks: dict[str, list[int]] = {}
+            for st, batch in self._shed(work.running(), fresh, shortfall):
+                work.moves[st.request_id] = batch
         if shortfall <= 0 and not waiting and self.tier is not None and self.mode == "vtoken":
-            for st, batch in self._reinflate(todo, watermark):
-                moves[st.request_id] = batch
-                set_blocks[st.request_id] = [b.block_id for b in self.blocks_of(st.request_id)]
+            for st, batch in self._reinflate(work.running(), watermark):
+                work.moves[st.request_id] = batch
+                work.set_blocks[st.request_id] = [b.block_id for b in self.blocks_of(st.request_id)]
         if self.mode == "naive":
-            for p, st in todo:
+            for p, st in work.running():
                 with self.isolated(st.request_id):
                     self._settle_ballast(st, p.next_tokens)
-        ok = [st for _, st in todo if st.request_id not in self.failed]
-        keep = {rid: len(self.blocks_of(rid)) for rid in moves if rid not in self.failed}
         gaps = {}
-        for st in ok:
+        for _, st in work.running():
             if st.gap != st.gap_sent:
                 gaps[st.request_id] = st.gap_sent = st.gap
         return StepPlan(
-            MoveBatch.concat([b for rid, b in moves.items() if rid not in self.failed]),
-            keep,
+            MoveBatch.concat(list(work.moves.values())),
+            {rid: len(self.blocks_of(rid)) for rid in work.moves},
             gaps,
-            MoveBatch.concat([b for rid, b in self._park if rid not in self.failed]),
-            MoveBatch.concat([b for rid, b in self._restore if rid not in self.failed]),
+            MoveBatch.concat([b for _, b in work.park]),
+            MoveBatch.concat([b for _, b in work.restore]),
             self.tier.drain_freed() if self.tier is not None else np.empty(0, np.int64),
-            {rid: b for rid, b in set_blocks.items() if rid not in self.failed},
+            dict(work.set_blocks),
         )
 
     def _reinflate(self, todo, watermark: int):
@@ -442,8 +465,7 @@ class Compactor:
         prompts get parked tokens back (vtoken/core/recall.py ``Recall.reinflation``), as many as the room holds
         beside every running request's next forward, so a pressure spell stops costing answers once it ends.
         Returns (request, its moves) for each."""
-        keepers = [(p, st) for p, st in todo if Recall.may_reinflate(st, self.step)
-                   and st.request_id not in self.failed]  # fmt: skip
+        keepers = [(p, st) for p, st in todo if Recall.may_reinflate(st, self.step)]
         if not keepers:
             return []
         spare = self.pool.get_num_free_blocks() - watermark - sum(self._need(st, p.next_tokens) for p, st in todo)
@@ -617,7 +639,7 @@ class Compactor:
         tier = self.recall.take(len(victims), self.step) if park and len(victims) else np.empty(0, np.int64)
         if tier.size:  # parked: hidden from the next forward on, kept in the tier
             st.parked.add(victims[: tier.size], tier, st.record.forwards, self.step, step)
-            self._park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
+            self._work.park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
             self.totals.tokens_parked += int(tier.size)
         st.record.record_deaths(victims[tier.size :], step)
         self.totals.tokens_evicted += len(victims) - int(tier.size)
@@ -630,7 +652,7 @@ class Compactor:
         if restore is not None and restore.logical.size:  # back right after the packed survivors
             slots = np.arange(plan.physical_len, plan.physical_len + restore.logical.size)
             st.table.revive(restore.logical, slots)
-            self._restore.append((st.request_id, MoveBatch(restore.tier, to_global_slots(slots, ids, self.bs))))
+            self._work.restore.append((st.request_id, MoveBatch(restore.tier, to_global_slots(slots, ids, self.bs))))
             st.record.record_restored(restore.logical, restore.at_forward)
             self.totals.tokens_restored += int(restore.logical.size)
             kept = -(-st.table.physical_len // self.bs)
