@@ -54,20 +54,13 @@ from vtoken.core.park import TierSlots
 from vtoken.core.phase import Phase, check_phase
 from vtoken.core.planner import to_global_slots
 from vtoken.core.policies import EvictionPolicy, PolicyInput
+from vtoken.core.pressure import Pressure, remember
 from vtoken.core.recall import Recall, Restore, parked_while_reading, recalls
 from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_seed
 from vtoken.core.reporting import CoreReport, core_report, core_stats
 from vtoken.core.request_state import RequestState
 from vtoken.core.schedule import Schedule
-from vtoken.core.shedding import (
-    Holder,
-    admit_at_floors,
-    admit_to_tier,
-    floor_tokens,
-    plan_sheds,
-    plan_sheds_above,
-    tier_need,
-)
+from vtoken.core.shedding import admit_at_floors, admit_to_tier, tier_need
 from vtoken.core.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
@@ -158,6 +151,7 @@ class Compactor:
         self.step = 0
         self._work = StepWork({})  # the step in the making (``plan_step``)
         self.recall = Recall(tier, self.bs, pool, blocks_of, self.states, self.totals, self._compact)
+        self.pressure = Pressure(self.bs, pool, blocks_of, self.states, self._input)
         # Requests whose decision, compaction or shed raised: each ends alone, with an error (``take_failed``).
         self.failed: dict[str, str] = {}
 
@@ -277,34 +271,7 @@ class Compactor:
             return
         st.stats = stats
         if st.schedule.eager:
-            live = st.table.live_logical()
-            slots = st.table.slot_of[live]
-            known = st.known or {}
-            for name, values in stats.items():
-                if name.startswith("parked:") or values.size < st.table.physical_len:
-                    continue
-                column = known.get(name)
-                if column is None or column.size < st.table.num_logical:
-                    grown = np.full(st.table.num_logical, np.inf)
-                    if column is not None:
-                        grown[: column.size] = column
-                    column = grown
-                column[live] = values[slots]
-                known[name] = column
-            st.known = known
-
-    def _known(self, st: RequestState) -> dict[str, np.ndarray]:
-        """The latest statistics of a request's live tokens, per physical slot; tokens none covered rank as the
-        most worth keeping (the newest ones, mostly)."""
-        live = st.table.live_logical()
-        slots = st.table.slot_of[live]
-        out = {}
-        for name, column in st.known.items():
-            values = np.full(st.table.physical_len, np.inf)
-            inside = live < column.size
-            values[slots[inside]] = column[live[inside]]
-            out[name] = values
-        return out
+            remember(st, stats)
 
     # ---------------------------------------------------------------- one request's failure stays its own
     @contextlib.contextmanager
@@ -411,7 +378,7 @@ class Compactor:
         shortfall is taken from the pool as it stands before this step's evictions; the running requests' next
         forwards are added once their tables are synced. A request that fails on the way leaves the step at once
         (``StepWork.drop``): the later stages run for the others only, and the plan carries nothing of it."""
-        shortfall = self._waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
+        shortfall = self.pressure.waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
         self.step += 1
         self._work = work = StepWork({p.request_id: (p, self.states[p.request_id]) for p in progress
                                       if p.request_id in self.states})  # fmt: skip
@@ -434,7 +401,7 @@ class Compactor:
                 if batch is not None:
                     work.moves[st.request_id] = batch
         if any(st.phase is Phase.KEEPING for _, st in work.running()):
-            shortfall += sum(self._need(st, p.next_tokens) for p, st in work.running())
+            shortfall += sum(self.pressure.need(st, p.next_tokens) for p, st in work.running())
         if shortfall > 0:
             for st, batch in self._shed(work.running(), fresh, shortfall):
                 work.moves[st.request_id] = batch
@@ -468,7 +435,8 @@ class Compactor:
         keepers = [(p, st) for p, st in todo if Recall.may_reinflate(st, self.step)]
         if not keepers:
             return []
-        spare = self.pool.get_num_free_blocks() - watermark - sum(self._need(st, p.next_tokens) for p, st in todo)
+        need = sum(self.pressure.need(st, p.next_tokens) for p, st in todo)
+        spare = self.pool.get_num_free_blocks() - watermark - need
         if spare <= 0:
             return []
         done = []
@@ -502,19 +470,11 @@ class Compactor:
         """What a request may park at most (vtoken/core/shedding.py tier_need; 0 without a tier)."""
         return 0 if self.tier is None else tier_need(policy, max_len)
 
-    def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
-        """Blocks the waiting requests' first forwards need, plus the watermark, beyond the free ones."""
-        return sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
-
     def _to(self, st: RequestState, phase: Phase, why: str) -> None:
         """THE phase change of a request: checked against vtoken/core/phase.py's table, and logged."""
         check_phase(st.request_id, st.phase, phase, why)
         logger.debug("vtoken: request %s %s -> %s (%s)", st.request_id, st.phase, phase, why)
         st.phase = phase
-
-    def _need(self, st: RequestState, writing: int) -> int:
-        """Blocks the request's next forward takes from the pool (it writes ``writing`` tokens)."""
-        return max(-(-(st.table.physical_len + writing) // self.bs) - len(self.blocks_of(st.request_id)), 0)
 
     def _evict_by_policy(self, st: RequestState, p: Progress, stats) -> MoveBatch | None:
         victims = self._decide(st, p.num_output, stats)
@@ -525,20 +485,16 @@ class Compactor:
 
     def _shed(self, todo, fresh, shortfall: int):
         """Pressure mode: requests still keeping every token give back what the shortfall needs, with the fewest
-        tokens (vtoken/core/shedding.py: the order and why), each its lowest-scored candidates and never below its
-        budget; a request still reading its prompt parks what it sheds. Yields (request, its moves)."""
+        tokens (vtoken/core/pressure.py finds who may, vtoken/core/shedding.py plans how much: the order and why),
+        each its lowest-scored candidates and never below its budget; a request still reading its prompt parks
+        what it sheds. Yields (request, its moves)."""
         found = []
         for p, st in todo:
             with self.isolated(st.request_id):
-                candidate = self._shed_candidate(st, p, fresh[st.request_id])
+                candidate = self.pressure.candidate(st, p, fresh[st.request_id], self.step)
                 if candidate is not None:
                     found.append(candidate)
-        holders = [f[0] for f in found]
-        if any(f[2].floor > 0 for f in found):
-            counts = plan_sheds_above(holders, [f[4] for f in found], shortfall, self.bs)
-        else:
-            counts = plan_sheds(holders, shortfall, self.bs)
-        for (_, p, st, ranked, _), count in zip(found, counts):
+        for (_, p, st, ranked, _), count in zip(found, self.pressure.plan(found, shortfall)):
             if not count:
                 continue
             batch = None
@@ -553,28 +509,6 @@ class Compactor:
                 batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
             if batch is not None:
                 yield st, batch
-
-    def _shed_candidate(self, st: RequestState, p: Progress, stats):
-        """(its Holder, p, st, its candidates ranked, its tokens above its floor) of a request that may shed now,
-        or None."""
-        if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
-            return None
-        if st.compacted_at == self.step:  # it chose with the question this step, and came back to keeping
-            return None
-        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
-        if step is None:
-            return None
-        if stats is None and st.policy.needs:
-            stats = self._known(st)  # the latest statistics it was sent, for the tokens they cover
-        ranked = st.policy.ranked(self._input(st, step, stats))
-        most = min(st.table.num_live - st.keep(st.table.num_logical), ranked.size)
-        if most <= 0:
-            return None
-        writing = st.table.physical_len + p.next_tokens
-        holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
-        n = st.table.num_logical
-        above = st.table.num_live - floor_tokens(n, st.keep(n), st.floor)
-        return Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)
 
     def _sync(self, st: RequestState, num_computed: int) -> None:
         """The table catches up with the tokens computed so far; the phase follows the prompt's progress."""
@@ -755,39 +689,10 @@ class Compactor:
     def foresee(
         self, scheduled: dict[str, int], waiting: Sequence[int], watermark: int, chunk: int, lead: int
     ) -> tuple[list[str], dict[str, tuple[str, ...]]]:
-        """Pressure mode, after vLLM scheduled this step: may the pool run short soon? ``scheduled``: this step's
-        forwards (request -> new tokens, blocks already allocated); ``waiting``, ``watermark``: as for
-        ``plan_step``; ``chunk``: the engine's largest prefill forward; ``lead``: the decode window's length.
-
-        Returns (record, score): the decoding requests that keep every token (on-demand policies) whose query this
-        forward adds to their window, because the pool may run short within ``lead`` steps; and those whose window
-        is scored after this forward (with the statistics to send back), because it may run short at the next
-        step, whose shed then judges the request's live tokens by its recent queries (the window a decision in
-        always mode scores), at most once per ``slack`` decode steps a request, as decisions come in always mode.
-        While the pool is far from short: nothing, so a request that keeps every token costs its decode steps
-        nothing. A shortfall nobody foresaw (a burst of arrivals) sheds by the latest statistics sent."""
-        decoders, need_next, need_lead = [], 0, 0  # decoders: (keeper, logical length after, may score again)
-        for rid, n in scheduled.items():
-            st = self.states.get(rid)
-            if st is None:
-                continue
-            after = st.table.num_logical + n  # this step's forward writes n tokens
-            left = st.prefill_len - after
-            need_next += self._need(st, n + (min(left, chunk) if left > 0 else 1))  # as plan_step counts it
-            need_lead += self._need(st, n + (min(left, chunk * lead) if left > 0 else lead))
-            if st.phase is Phase.KEEPING and st.schedule.on_demand and after > st.prefill_len:
-                last = st.window_scored_at
-                decoders.append((st, after, last < 0 or after - last >= st.schedule.slack))
-        base = self._waiting_shortfall(waiting, watermark)
-        if not decoders or base + need_lead <= 0:
-            return [], {}
-        score = {}
-        if base + need_next > 0:  # at most once per ``slack`` decode steps a request, as decisions in always mode
-            for st, after, ready in decoders:
-                if ready:
-                    score[st.request_id] = st.policy.needs
-                    st.window_scored_at = after
-        return [st.request_id for st, _, _ in decoders], score
+        """Pressure mode, after vLLM scheduled this step: may the pool run short soon? Returns the keeping decoders
+        whose query this forward adds to their window, and those whose window is scored after it, with the
+        statistics to send back (vtoken/core/pressure.py ``Pressure.foresee``)."""
+        return self.pressure.foresee(scheduled, waiting, watermark, chunk, lead)
 
     # ---------------------------------------------------------------- observability
     def check_integrity(self, moves: MoveBatch | None = None) -> None:
