@@ -60,6 +60,7 @@ from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_
 from vtoken.core.reporting import CoreReport, core_report, core_stats
 from vtoken.core.request_state import RequestState
 from vtoken.core.schedule import Schedule
+from vtoken.core.score_ask import ScoreAsk, score_ask
 from vtoken.core.shedding import admit_at_floors, admit_to_tier, tier_need
 from vtoken.core.token_table import TokenTable
 
@@ -74,17 +75,6 @@ class Progress(NamedTuple):
     num_computed: int  # logical tokens whose KV exists
     num_output: int  # output tokens sampled so far
     next_tokens: int  # tokens its next forward is expected to write (1 when decoding; naive ballast sizing)
-
-
-class ScoreAsk(NamedTuple):
-    """What the worker computes for one request in this step's forward."""
-
-    queries: int  # how many of the forward's last queries to score (1 for a decode step; 0: none)
-    export: tuple[str, ...]  # statistics to send back after the forward (empty: keep accumulating)
-    parked: np.ndarray | None = None  # tier slots scored with the live keys in one softmax (the last chunk)
-    record: bool = False  # keep this decode step's query in the request's window (on-demand policies)
-    window: tuple[str, ...] = ()  # score the window of recent queries after the forward, and send these back
-    window_parked: np.ndarray | None = None  # recall: the window is scored over these tier slots too
 
 
 class StepPlan(NamedTuple):
@@ -643,7 +633,7 @@ class Compactor:
 
     def scheduled(self, request_id: str, new_tokens: int, num_computed_after: int, num_output: int) -> ScoreAsk | None:
         """A forward of ``new_tokens`` tokens runs this step (vLLM already counted them as computed and allocated
-        their blocks). Records it and returns what the worker should score, or None."""
+        their blocks). Records it and returns what the worker should score, or None (vtoken/core/score_ask.py)."""
         st = self.states[request_id]
         before = num_computed_after - new_tokens
         prefill = before < st.prefill_len
@@ -656,35 +646,7 @@ class Compactor:
         slack = 0 if prefill else sched.slack - 1  # a decoding request holds up to slack - 1 tokens above its keep
         bound = forward_bound(before, new_tokens, self.bs, p.budget, p.sink, p.recent, slack)
         st.record.forward(new_tokens, prefill, held, naive, -(-(live + new_tokens) // self.bs), bound)
-        if not p.needs:
-            return None
-        if not prefill:  # decode
-            excess = live + new_tokens - st.keep(num_computed_after)
-            decides = st.phase is Phase.DECODING and sched.decides_after(excess)
-            observe, export, window = sched.decode_ask(num_output + 1, decides)  # the step this forward completes
-            if st.phase is Phase.KEEPING and observe:
-                export = True  # pressure mode, per-step statistics: a shed may come at any step
-            parked = st.parked.size > 0 and sched.recall_every > 0
-            record = sched.on_demand and (st.phase is Phase.DECODING or parked)
-            # A decoding request recalls at its own decisions (once per slack); a keeping one every recall_every.
-            due = window if st.phase is Phase.DECODING else sched.recalls_at(num_output + 1, st.recalled_at)
-            recall = parked and due
-            if recall:  # its window is scored over live and parked keys, and the next decision chooses among both
-                window, st.recalled_at = True, num_output + 1
-            if not (observe or record):
-                return None
-            return ScoreAsk(int(observe), p.needs if export else (), record=record, window=p.needs if window else (),
-                            window_parked=st.parked.tier.copy() if recall else None)  # fmt: skip
-        over = live + new_tokens > p.target(num_computed_after)
-        queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, over)
-        if sched.scores_jointly(st.parked.size > 0, num_computed_after, st.prefill_len):
-            # All but the prompt's last token: the question. Every query of this chunk attends the live and the
-            # parked keys in one softmax, so its hidden states, its window's scores (which choose the survivors)
-            # and the first answer token see the whole prompt; the choice follows, and the last token's forward,
-            # which samples, sees the survivors.
-            st.record.saw_parked(st.parked.logical)
-            return ScoreAsk(min(st.window, new_tokens), p.needs, st.parked.tier.copy())
-        return ScoreAsk(queries, p.needs) if queries else None
+        return score_ask(st, new_tokens, num_computed_after, num_output, prefill)
 
     def foresee(
         self, scheduled: dict[str, int], waiting: Sequence[int], watermark: int, chunk: int, lead: int
