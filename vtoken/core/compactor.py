@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vtoken.core.accounting import settle_ballast
 from vtoken.core.budget import forward_bound
 from vtoken.core.move_batch import MoveBatch
 from vtoken.core.packing import kill_and_pack, protected_blocks, protected_tokens
@@ -229,16 +230,7 @@ class Compactor:
             self._forget(st, finished)
         if self.traces is None:
             return None
-        if not finished:
-            if st is not None:
-                self.traces.preempted(request_id, st.record)
-            return None
-        line = self.traces.finished(request_id, st.record if st is not None else None)
-        if line is None:
-            return None
-        caller, fields = line
-        return {"request_id": caller, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
-                **fields}  # fmt: skip
+        return self.traces.ended(request_id, st.record if st is not None else None, finished, prompt_ids, output_ids)
 
     def _forget(self, st: RequestState, finished: bool) -> None:
         self.recall.forget(st, failed=st.request_id in self.failed)
@@ -402,7 +394,7 @@ class Compactor:
         if self.mode == "naive":
             for p, st in work.running():
                 with self.isolated(st.request_id):
-                    self._settle_ballast(st, p.next_tokens)
+                    settle_ballast(st.ballast, st.table, p.next_tokens, self.bs, self.pool)
         gaps = {}
         for _, st in work.running():
             if st.gap != st.gap_sent:
@@ -608,22 +600,6 @@ class Compactor:
         else:
             phase = Phase.READING if st.in_prefill else Phase.DECODING
         self._to(st, phase, "live and parked tokens chosen with the question")
-
-    def _settle_ballast(self, st: RequestState, writing: int) -> None:
-        """Naive mode: hold exactly the blocks Naive-Evict would hold beyond what the packed layout needs, for
-        the forward that writes ``writing`` new tokens. Extra ballast goes back to the pool; missing ballast is
-        taken from it while it lasts."""
-        packed = -(-(st.table.physical_len + writing) // self.bs)
-        want = max(st.table.naive_blocks(writing) - packed, 0)
-        held = st.ballast
-        if len(held) > want:
-            extra = held[want:]
-            del held[want:]
-            self.pool.free_blocks(reversed(extra))
-        elif len(held) < want:
-            n = min(want - len(held), self.pool.get_num_free_blocks())
-            if n:
-                held.extend(self.pool.get_new_blocks(n))
 
     # ---------------------------------------------------------------- after vLLM scheduled
     def stop_short(self, request_id: str, new_tokens: int, num_computed_after: int) -> bool:

@@ -15,6 +15,7 @@ Blocks are counted DURING a forward, after vLLM allocated the blocks its new tok
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,6 +256,27 @@ class TraceBook:
         """The run of ``record`` ended by a preemption: kept for the request's next run."""
         run = {k: v for k, v in record.trace().items() if k not in ("preempted_runs", "logprobs")}
         self._resume[request_id] = (record.request_id, record.earlier + [run], record.logprobs)
+
+    def ended(
+        self,
+        request_id: str,
+        record: RequestRecord | None,
+        finished: bool,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+    ) -> dict[str, Any] | None:
+        """A run ended: a preempted one is kept for the next run (None); a finished request's trace line is
+        returned (None when it never ran). ``record``: the run's (None: it ended while waiting to resume)."""
+        if not finished:
+            if record is not None:
+                self.preempted(request_id, record)
+            return None
+        line = self.finished(request_id, record)
+        if line is None:
+            return None
+        caller, fields = line
+        return {"request_id": caller, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
+                **fields}  # fmt: skip
 
     def finished(self, request_id: str, record: RequestRecord | None) -> tuple[str, dict[str, Any]] | None:
         """The caller's id and the audit fields of a finished request's trace line; ``record`` None: it finished
