@@ -30,11 +30,16 @@ may evict is vtoken/core/schedule.py's business; WHAT it does then depends on it
     decoding  evict to the budget at decode steps
 
 Pressure mode (``evict: "pressure"``): the budget is a floor, not a target. A request keeps every token until the
-pool runs short (``plan_step``'s shortfall: blocks the running and waiting requests need, plus a watermark, beyond
-the free ones); then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
-lowest-scored ones and never below its budget (vtoken/core/shedding.py says in which order, and why), and go on keeping
-the rest. A request still reading its prompt parks what it sheds, and chooses among live and parked tokens with
-the question as in always mode, keeping as many as it holds.
+pool runs short; then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
+lowest-scored ones and never below its budget, and go on keeping the rest (vtoken/core/pressure.py, shedding.py).
+
+The compactor keeps the token table's life: decide (the policy, by phase), pack (``_compact``: the one
+kill-park-pack-restore of a request in a step, at most once a step) and plan (``plan_step``: one ``StepPlan`` for
+all requests). It holds two small owners and calls them: ``recall`` (vtoken/core/recall.py: the tier's slots, the
+choices among live and parked tokens, re-inflation) and ``pressure`` (vtoken/core/pressure.py: the shortfall, who
+sheds, the forecast). Admission's rules are vtoken/core/shedding.py's, what the worker scores is
+vtoken/core/score_ask.py's, the reports are vtoken/core/reporting.py's. A request whose work raises ends alone
+(``isolated``): it leaves the step at once (``StepWork.drop``) and the engine ends it (``take_failed``).
 """
 
 from __future__ import annotations
@@ -42,8 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -63,54 +67,11 @@ from vtoken.core.request_state import RequestState
 from vtoken.core.schedule import Schedule
 from vtoken.core.score_ask import ScoreAsk, score_ask
 from vtoken.core.shedding import admit_at_floors, admit_to_tier, tier_need
+from vtoken.core.step import Progress, StepPlan, StepWork
 from vtoken.core.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
 logger = logging.getLogger(__name__)
-
-
-class Progress(NamedTuple):
-    """Where one running request stands when a step begins."""
-
-    request_id: str
-    num_computed: int  # logical tokens whose KV exists
-    num_output: int  # output tokens sampled so far
-    next_tokens: int  # tokens its next forward is expected to write (1 when decoding; naive ballast sizing)
-
-
-class StepPlan(NamedTuple):
-    moves: MoveBatch  # global slots, all requests, one gather-then-scatter
-    keep_blocks: dict[str, int]  # request -> blocks it keeps (its list was truncated)
-    gaps: dict[str, int]  # request -> logical - physical length, where it changed
-    park: MoveBatch = MoveBatch.empty()  # pool slot -> tier slot, read before this step's moves
-    restore: MoveBatch = MoveBatch.empty()  # tier slot -> pool slot, written after this step's moves
-    tier_freed: np.ndarray = np.empty(0, np.int64)  # tier slots given back this step (the worker's boxes follow)
-    set_blocks: dict[str, list[int]] = {}  # request -> its whole block list, where blocks were added (re-inflation)
-
-
-@dataclass(eq=False)
-class StepWork:
-    """One ``plan_step`` in the making, by request: the requests it runs for (``todo``, in the engine's order) and
-    what it has planned for them so far. A request that fails leaves it whole, at once (``drop``, called by
-    ``Compactor.isolated``): the step's later stages skip it, and the plan carries none of its moves, parks,
-    restores, block lists or gaps. So a failure is filtered once, where it happens, not at every use."""
-
-    todo: dict[str, tuple[Progress, RequestState]]
-    moves: dict[str, MoveBatch] = field(default_factory=dict)
-    park: list[tuple[str, MoveBatch]] = field(default_factory=list)  # pool slot -> tier slot, by request
-    restore: list[tuple[str, MoveBatch]] = field(default_factory=list)  # tier slot -> pool slot, by request
-    set_blocks: dict[str, list[int]] = field(default_factory=dict)  # whole block lists, where blocks were added
-
-    def running(self) -> list[tuple[Progress, RequestState]]:
-        """The requests still in the step (a copy: a stage may drop one while it walks them)."""
-        return list(self.todo.values())
-
-    def drop(self, request_id: str) -> None:
-        self.todo.pop(request_id, None)
-        self.moves.pop(request_id, None)
-        self.set_blocks.pop(request_id, None)
-        self.park = [(rid, b) for rid, b in self.park if rid != request_id]
-        self.restore = [(rid, b) for rid, b in self.restore if rid != request_id]
 
 
 class CompactorError(RuntimeError):
