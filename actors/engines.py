@@ -141,7 +141,7 @@ class FakeEngine(Engine):
             raise EngineDead("fake engine is dead")
         self.seen.append({"request_id": spec.request_id, **spec.sampling})
         sampling = spec.sampling
-        max_tokens, n = int(sampling.get("max_tokens") or 16), int(sampling.get("n") or 1)
+        max_tokens, n = spec.max_tokens, spec.n
         top, prompt_top = sampling.get("logprobs"), sampling.get("prompt_logprobs")
         need = n * math.ceil((len(spec.prompt_token_ids) + max_tokens) / self.block_size)
         if need > self.total_blocks:
@@ -253,9 +253,8 @@ class VLLMEngine(Engine):
         return bool(self.llm.errored)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:
-        n = int(spec.sampling.get("n") or 1)
-        live = self.live[spec.request_id] = _Live(n * len(spec.prompt_token_ids),
-                                                  n * int(spec.sampling.get("max_tokens") or 16))  # fmt: skip
+        n = spec.n
+        live = self.live[spec.request_id] = _Live(n * len(spec.prompt_token_ids), n * spec.max_tokens)
         try:
             async for chunk in self._generate(spec):
                 live.started, live.generated = True, live.generated + chunk.tokens

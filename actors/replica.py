@@ -10,7 +10,7 @@ lists the requests whose blocks its figures count: the controller keeps a reques
 its blocks are never counted twice (promise and ``free_blocks``) nor not at all (promise dropped, figures
 older than the admission).
 
-A replica is a detached actor (cluster/lifecycle.py says why): it outlives a controller that dies, reports to
+A replica is a detached actor (cluster/control/lifecycle.py says why): it outlives a controller that dies, reports to
 the restarted one through the same handle (Ray restarts the controller under the same actor id), and is killed
 by its controller on scale-in and shutdown. A replica whose controller is gone for good (its `vtoken serve` ended
 without a shutdown: killed, its machine lost) has nobody left to stop it: after ``orphan_after_s`` of such

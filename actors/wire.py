@@ -2,8 +2,8 @@
 (``Chunk``) the other, small named picklable types with a msgpack codec for the token channel.
 
 A ``Chunk`` is vLLM's ``RequestOutput`` reduced to the fields vLLM's serving layer reads (the gateway runs vLLM's
-OpenAI serving classes over a remote engine: cluster/remote_engine.py): per sequence its index, new text and token
-ids, their log-probabilities, the cumulative log-probability, finish and stop reasons; per request whether it
+OpenAI serving classes over a remote engine: cluster/serving/remote_engine.py): per sequence its index, new text and
+token ids, their log-probabilities, the cumulative log-probability, finish and stop reasons; per request whether it
 finished, the prompt's log-probabilities (first chunk only) and its prefix-cache hit. The prompt itself never
 travels back: the gateway rendered it and keeps it. A request the replica could not serve is a Chunk with
 ``error`` and ``code`` set and nothing else.
@@ -40,11 +40,16 @@ class GenerateSpec:
     with ``extra_args["vtoken"]`` = the request's own eviction options when it chose some; ``engine_kwargs``: the
     arguments of ``AsyncLLM.generate`` vLLM's serving layer set beside them (priority, reasoning_ended,
     reasoning_parser_kwargs) and the prompt's ``cache_salt``, which the replica puts back in the prompt.
-    ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse)."""
+    ``request_id`` is the gateway's, unique per stream (never the client's, which clients may reuse).
+    ``max_tokens`` and ``n``: what the request may generate, per sequence, and its sequences, as the gateway placed
+    it (set once where the request is validated, cluster/serving/remote_engine.py); what a replica counts the
+    request's work and blocks by."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any]
+    max_tokens: int
+    n: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

@@ -157,8 +157,8 @@ def _generate(args) -> int:
 def _status(args) -> int:
     import grpc
 
+    from cluster.control.status import from_proto, render_table
     from cluster.proto import vtoken_pb2 as pb
-    from cluster.status import from_proto, render_table
 
     stub, md = _stub(args)
     try:

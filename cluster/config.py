@@ -155,7 +155,7 @@ class PlacementConfig(_Strict):
     @field_validator("strategy")
     @classmethod
     def _known(cls, v: str) -> str:
-        from cluster.placement import STRATEGIES
+        from cluster.placement.strategies import STRATEGIES
 
         if v not in STRATEGIES:
             raise ValueError(f"unknown placement strategy {v!r}; known: {', '.join(sorted(STRATEGIES))}")
@@ -250,7 +250,7 @@ class GatewayConfig(_Strict):
         gt=0,
         description="admission by work: the requests in flight over both doors hold at most this many tokens of "
         "work (a request's body size bounds its prompts until they are rendered); beyond, 429. A request alone is "
-        "always admitted (cluster/work.py)",
+        "always admitted (cluster/serving/work.py)",
     )
     parse_timeout_s: float = Field(
         10.0,
@@ -269,7 +269,7 @@ class GatewayConfig(_Strict):
         ge=1,
         le=16,
         description="processes that check structured outputs (JSON schemas, regexes, grammars) off the gateway's "
-        "event loop and heap (cluster/grammar_pool.py; ~0.6 GB each)",
+        "event loop and heap (cluster/serving/grammar_pool.py; ~0.6 GB each)",
     )
     grammar_timeout_s: float = Field(
         5.0, gt=0, description="longest a structured output's check may take; beyond, 413 naming the field"
@@ -292,8 +292,8 @@ class GatewayConfig(_Strict):
         0.1,
         ge=0,
         description="how often the gateway refreshes its copy of the replicas' views, from which it places requests "
-        "without a call to the controller each (cluster/placer.py; under placement.strategy prefix, with copies of "
-        "the replicas' prefix indexes); 0: every request asks the controller",
+        "without a call to the controller each (cluster/placement/placer.py; under placement.strategy prefix, with "
+        "copies of the replicas' prefix indexes); 0: every request asks the controller",
     )
     token_channel: Literal["zmq", "ray"] = Field(
         "zmq",
@@ -429,6 +429,26 @@ class ServeConfig(_Strict):
         if self.engine.kind == "fake" and self.model not in MODELS:
             return str(model_path(FAKE_MODEL))
         return str(model_path(self.model))
+
+
+def engine_args(cfg: ServeConfig) -> dict[str, Any]:
+    """The vLLM engine arguments of this deployment, as every replica's engine takes them (vToken's own are added
+    there by ``engine_kwargs``) and as the gateway's render-only config is built from them
+    (cluster/serving/frontend.py); the model is resolved where the engine runs."""
+    e = cfg.engine
+    args: dict[str, Any] = {
+        "dtype": e.dtype,
+        "block_size": e.block_size,
+        "max_model_len": e.max_model_len,
+        "enforce_eager": e.enforce_eager,
+        "seed": 0,
+        **e.extra,
+    }
+    if e.reasoning_parser:
+        args["reasoning_parser"] = e.reasoning_parser
+    if e.kv_cache_memory_bytes:
+        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
+    return args
 
 
 def _vtoken_error(err: dict[str, Any]) -> str:

@@ -173,7 +173,7 @@ def within(deadline: float, what: str, fn: Callable[[], Any]) -> Any:
 
 
 def init_kwargs(cfg, verbose: bool) -> dict[str, Any]:
-    from cluster.lifecycle import replica_env
+    from cluster.control.lifecycle import replica_env
 
     kw: dict[str, Any] = {
         "namespace": cfg.ray.namespace,

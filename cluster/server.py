@@ -21,12 +21,13 @@ import ray
 
 from actors.report import ReplicaReport
 from cluster.config import ServeConfig, preflight
-from cluster.controller import Controller
-from cluster.dispatch import Dispatcher
-from cluster.frontend import serving_app
-from cluster.gateway import Gateway, check_port
-from cluster.metrics import Metrics
+from cluster.control.controller import Controller
+from cluster.doors.grpc_server import Gateway
+from cluster.doors.sockets import check_port
 from cluster.ray_connect import RayUnavailable, connect  # noqa: F401 (RayUnavailable: re-exported)
+from cluster.serving.dispatch import Dispatcher
+from cluster.serving.frontend import serving_app
+from cluster.serving.metrics import Metrics
 
 log = logging.getLogger("vtoken.server")
 
@@ -48,7 +49,7 @@ class Served:
     controller: Any
     gateway: Gateway
     http_port: int | None = None  # None: HTTP off
-    http: Any = None  # cluster.http_gateway.HttpGateway
+    http: Any = None  # cluster.doors.http_server.HttpGateway
     final_reports: list[ReplicaReport] = field(default_factory=list)
 
 
@@ -118,7 +119,7 @@ async def _start_replicas(ctl, timeout_s: float, progress) -> int:
     """The controller's start (replicas created, waited for until healthy), watched: ``progress`` sees each
     replica's state about once a second. A replica whose engine cannot start ends it with a RuntimeError of one
     line (the controller's reason, not Ray's remote traceback)."""
-    from cluster.lifecycle import start_error
+    from cluster.control.lifecycle import start_error
 
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -140,9 +141,9 @@ async def _start_replicas(ctl, timeout_s: float, progress) -> int:
 def start_controller(cfg: ServeConfig, local: bool):
     """The controller actor, on this node (the one `vtoken serve` runs on) and nowhere else: a controller on a
     node that may go took the service with it (replicas then died with their owner; now they are detached, see
-    cluster/lifecycle.py). Pinned with Ray's node affinity, not soft: if this node goes, so does `vtoken serve`
+    cluster/control/lifecycle.py). Pinned with Ray's node affinity, not soft: if this node goes, so does `vtoken serve`
     and its gateways, and the controller has nothing left to serve. Ray restarts it when it dies
-    (``max_restarts``); the new incarnation takes over the live replicas (cluster/controller.py)."""
+    (``max_restarts``); the new incarnation takes over the live replicas (cluster/control/controller.py)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
@@ -177,7 +178,7 @@ def clear_leftovers(cfg: ServeConfig) -> None:
 def kill_replicas(cfg: ServeConfig, why: str) -> int:
     """Kill every replica of this service still registered under its name (they are detached: nothing else
     would). Returns how many."""
-    from cluster.lifecycle import replica_names
+    from cluster.control.lifecycle import replica_names
 
     killed = 0
     for name in replica_names(cfg.name):
@@ -189,9 +190,9 @@ def kill_replicas(cfg: ServeConfig, why: str) -> int:
 
 
 def _import_doors() -> asyncio.Future:
-    """cluster.http_gateway (and vLLM's serving layer under it), imported in a daemon thread: a Ctrl-C during start-up
-    then exits at once instead of
-    waiting for the import to finish (asyncio.to_thread's threads are joined at exit)."""
+    """cluster.doors.http_server (and vLLM's serving layer under it), imported in a daemon thread: a Ctrl-C during
+    start-up then exits at once instead of waiting for the import to finish (asyncio.to_thread's threads are joined
+    at exit)."""
     loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
 
     def settle(set_it) -> None:
@@ -200,7 +201,7 @@ def _import_doors() -> asyncio.Future:
 
     def run():
         try:
-            import cluster.http_gateway as module
+            import cluster.doors.http_server as module
         except BaseException as e:  # handed to the coroutine that awaits the import
             settle(lambda e=e: done.set_exception(e))
         else:

@@ -45,7 +45,7 @@ def app(upstream: str, name: str, out: Path) -> Starlette:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--upstream", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--name", required=True, help="the client's name, the files' prefix")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks for the parts of vToken that need only PyTorch and Triton (no vLLM on the GPU machine):
-#  1. tests marked gpu: the fused mover against the per-move reference (fp32/bf16/fp16, a block reused in the
+#  1. tests marked gpu: the fused mover against the per-move reference (fp32/bf16/fp16/fp8 bytes, a block reused in the
 #     same step), no host synchronisation, the per-layer waits with a planted missing wait, a captured CUDA
 #     graph of an attention stack reading the slots the mover just wrote (and one without the waits, caught);
 #     today's CudaMover; the attention scorer in the CUDA layout against its reference; the parking tier in
-#     pinned host memory (side-stream copies, the last chunk attending parked keys streamed from the host).
+#     pinned host memory (side-stream copies, the last chunk attending parked keys streamed from the host); an fp8
+#     e4m3 cache with per-layer scales read by the scorer, the tier and the query window, and moved as uint8 bytes.
 #  2. `vtoken bench core --device cuda`: the fused mover's GB/s against a contiguous copy_ of the same bytes and
 #     against today's mover (SmolLM2's and an 8B model's shapes), and a synthetic paged-attention decode step
 #     (CUDA graph) without moves, with a step's moves serial and overlapped.
@@ -22,6 +23,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFA
 status=0
 timeout 80 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_mover.py tests/test_cuda_graph_moves.py \
   tests/test_mover.py tests/test_scores.py tests/test_park.py tests/test_query_window.py tests/test_recall_scores.py \
+  tests/test_kv_format.py \
   2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 60 "$py" -m vtoken.bench core --device cuda --out "$out" 2>&1 | tee "$out/gpu_bench.log" || status=1
 # The scorer per decode step at three context lengths (4 requests, SmolLM2's shapes), bf16 as served.

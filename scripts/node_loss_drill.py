@@ -50,7 +50,7 @@ def longest_gap(outcomes, t0: float, t1: float) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--kill", choices=("worker", "controller"), required=True)
     p.add_argument("--engine", choices=("fake", "tiny-llama"), default="fake")
     p.add_argument("--fast", action="store_true", help="node death detected in ~3 s (Ray's default: ~15 s)")

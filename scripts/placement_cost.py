@@ -2,8 +2,8 @@
 ``--concurrency`` streams as fast as they go) against one `vtoken serve` (one replica, vToken off), the strategies
 switched live on the same server (Controller.set_placement) and measured in turns, the order reversed every round,
 each client run on prompts of its own. Every strategy places in the gateway from its copy of the controller's views
-(cluster/placer.py); ``prefix`` also keeps copies of the replicas' prefix indexes there and matches each prompt's
-block hashes against them.
+(cluster/placement/placer.py); ``prefix`` also keeps copies of the replicas' prefix indexes there and matches each
+prompt's block hashes against them.
 
     .venv/bin/python scripts/placement_cost.py --strategies weighted,prefix --rounds 4 --out /tmp/placement_cost.json
 
@@ -46,7 +46,7 @@ def main() -> None:
 
     import ray
 
-    from cluster.placer import SETTLE_S
+    from cluster.placement.placer import SETTLE_S
     from cluster.server import BackgroundServer, start_ray
     from vtoken.bench import machine
     from vtoken.bench import serve as bench_serve
@@ -98,8 +98,8 @@ def decision_us(strategy: str, replicas: int, held: int = 2048, blocks: int = 32
 
     from actors.report import PrefixDelta, empty_pool, unreported
     from cluster.config import parse_config
-    from cluster.controller import Controller, ReplicaState
-    from cluster.placer import Placer
+    from cluster.control.controller import Controller, ReplicaState
+    from cluster.placement.placer import Placer
 
     class Local:  # the controller's methods called as a Ray actor's are, in this event loop
         def __init__(self, obj):

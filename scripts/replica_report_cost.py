@@ -128,7 +128,7 @@ async def rpc(args, folder: str, cfg) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--running", type=int, default=64)
     ap.add_argument("--finished", type=int, default=1000)

@@ -35,9 +35,9 @@ def instrument(dispatch) -> dict[str, dict[str, float]]:
     stamps: dict[str, dict[str, float]] = {}
     stream, open_ = dispatch.Dispatcher.stream, dispatch.Dispatcher._open
 
-    async def timed_stream(self, req, rid, door):
-        r = stamps[rid] = {"stream": time.monotonic()}
-        async for d in stream(self, req, rid, door):
+    async def timed_stream(self, req, door):
+        r = stamps[req.request_id] = {"stream": time.monotonic()}
+        async for d in stream(self, req, door):
             r.setdefault("first", time.monotonic())
             yield d
 
@@ -59,11 +59,11 @@ def main() -> None:
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the EngineCore in a process of its own, as deployed
 
-    import cluster.dispatch
+    import cluster.serving.dispatch
     from vtoken.bench import serve
     from vtoken.models import model_path
 
-    stamps = instrument(cluster.dispatch)
+    stamps = instrument(cluster.serving.dispatch)
     sp = argparse.ArgumentParser()
     serve.add_args(sp)
     a = sp.parse_args(["--model", args.model, "--input-len", str(args.input_len), "--output-len",

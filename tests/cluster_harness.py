@@ -60,7 +60,7 @@ def tokens(out) -> list[str]:
 
 
 def status(st, metadata=()):
-    from cluster.status import from_proto
+    from cluster.control.status import from_proto
 
     return from_proto(st.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30, metadata=metadata))
 

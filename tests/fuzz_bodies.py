@@ -131,7 +131,7 @@ def base_body(kind: str, model: str) -> st.SearchStrategy:
     return st.fixed_dictionaries({"model": st.just(model), "prompt": prompt, "max_tokens": st.integers(1, 8)})
 
 
-# Small schemas the grammar workers check at once (cluster/grammar_pool.py); a few, so its cache sees them again.
+# Small schemas the grammar workers check at once (cluster/serving/grammar_pool.py); few, so its cache sees them again.
 SMALL_SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "string"}}},
     {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]},

@@ -238,9 +238,9 @@ def status(grpc_address: str) -> dict:
     """`vtoken status --json` as a client calls it (through the gRPC door, in this process)."""
     import grpc
 
+    from cluster.control.status import from_proto
     from cluster.proto import vtoken_pb2 as pb
     from cluster.proto import vtoken_pb2_grpc as pbg
-    from cluster.status import from_proto
 
     with grpc.insecure_channel(grpc_address) as ch:
         return from_proto(pbg.VTokenStub(ch).GetClusterStatus(pb.ClusterStatusRequest(), timeout=10))

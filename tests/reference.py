@@ -15,8 +15,17 @@ checked against the run that sampled it. Nothing here imports vToken.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
+
+# fp8 formats of vLLM's kv_cache_dtype: (torch dtype, mantissa bits, smallest normal exponent)
+FP8 = {
+    "fp8": (torch.float8_e4m3fn, 3, -6),
+    "fp8_e4m3": (torch.float8_e4m3fn, 3, -6),
+    "fp8_e5m2": (torch.float8_e5m2, 2, -14),
+}
 
 
 def load(model_dir: str, dtype=torch.float32):
@@ -24,6 +33,39 @@ def load(model_dir: str, dtype=torch.float32):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+def fp8_as_stored(x: torch.Tensor, kv_cache_dtype: str, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as vLLM's CPU attention reads it back from an fp8 cache: stored as ``x / scale`` clamped to the format's
+    largest value and cut toward zero to the format's precision (its mantissa bits; subnormals below the smallest
+    normal exponent), read as that times ``scale``. Written from the format's definition, not from vToken's code."""
+    fp8, mant, emin = FP8[kv_cache_dtype]
+    y = (x.float() / scale).clamp(-torch.finfo(fp8).max, torch.finfo(fp8).max)
+    _, e = torch.frexp(y)  # |y| = f * 2**e, f in [0.5, 1): its leading bit is 2**(e - 1)
+    step = torch.exp2((torch.clamp(e - 1, min=emin) - mant).float())
+    return (torch.trunc(y / step) * step * scale).to(x.dtype)
+
+
+@contextlib.contextmanager
+def kv_stored_as(kv_cache_dtype: str | None):
+    """The reference model's attention reads every key (after RoPE) and value as an fp8 cache would store it
+    (``fp8_as_stored``); None or "auto": unchanged."""
+    if kv_cache_dtype in (None, "auto"):
+        yield
+        return
+    from transformers.models.llama import modeling_llama as ml
+
+    eager = ml.eager_attention_forward
+
+    def quantised(module, query, key, value, *args, **kwargs):
+        return eager(module, query, fp8_as_stored(key, kv_cache_dtype), fp8_as_stored(value, kv_cache_dtype), *args,
+                     **kwargs)  # fmt: skip
+
+    ml.eager_attention_forward = quantised
+    try:
+        yield
+    finally:
+        ml.eager_attention_forward = eager
 
 
 def runs(trace: dict) -> list[dict]:
@@ -74,8 +116,11 @@ def allowed_mask(run: dict, prompt_len: int, n_rows: int, late: int = 0, joint: 
     return allowed
 
 
-def masked_logprobs(model, trace: dict, late: int = 0, joint: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy tokens and log-probabilities of the trace's output tokens under its eviction trace."""
+def masked_logprobs(
+    model, trace: dict, late: int = 0, joint: bool = True, kv_cache_dtype: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and log-probabilities of the trace's output tokens under its eviction trace, with keys and
+    values read as a ``kv_cache_dtype`` cache stores them."""
     prompt, output = trace["prompt_token_ids"], trace["output_token_ids"]
     ids = torch.tensor([prompt + output[:-1]])
     p, n = len(prompt), ids.shape[1]
@@ -90,7 +135,7 @@ def masked_logprobs(model, trace: dict, late: int = 0, joint: bool = True) -> tu
         allowed = torch.from_numpy(allowed_mask(run, p, n, late, joint))
         mask = torch.zeros(1, 1, n, n, dtype=dtype)
         mask[0, 0][~allowed] = torch.finfo(dtype).min
-        with torch.no_grad():
+        with torch.no_grad(), kv_stored_as(kv_cache_dtype):
             logits = model(input_ids=ids, attention_mask=mask).logits[0].float()
         lp = torch.log_softmax(logits[p - 1 + first : p - 1 + last], dim=-1)
         out = torch.tensor(output[first:last])

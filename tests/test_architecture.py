@@ -1,8 +1,12 @@
 """The house's walls, held by tests, by folder: ``vtoken/core`` (where a token's life is decided) imports neither
 torch nor vLLM nor ``vtoken/kv``; ``vtoken/kv`` (where its bytes move) imports no vLLM; only ``vtoken/vllm_adapter``
 imports vLLM's internals; nothing in ``cluster/`` or ``actors/`` imports the benchmarks; first-party modules import
-each other in no circle. Each wall is shown to fail on a planted violation. Reads the source only (ast), except the
-one check that imports the core and looks for torch in ``sys.modules``."""
+each other in no circle. ``cluster/`` stands on floors (``CLUSTER_FLOORS``), each importing only its own floor and
+those below: the doors over the request path they share, over the control plane, over the config, over placement and
+the protocol; neither door nor request path imports the control plane's internals (they reach the controller through
+its Ray handle), and placement imports nothing else of ``cluster/``. Each wall and each floor is shown to fail on a
+planted violation. Reads the source only (ast), except the one check that imports the core and looks for torch in
+``sys.modules``."""
 
 from __future__ import annotations
 
@@ -43,6 +47,40 @@ WALLS = (
     ),
     (("vtoken", "actors", "cluster"), VLLM_INTERNALS, "only vtoken/vllm_adapter knows vLLM's internals"),
     (("cluster", "actors"), ("vtoken.bench",), "serving never imports the benchmarks"),
+    (
+        ("cluster.doors", "cluster.serving"),
+        (
+            "cluster.control.controller",
+            "cluster.control.lifecycle",
+            "cluster.control.autoscaler",
+            "cluster.control.replica_status",
+        ),
+        "the request path reaches the controller through its Ray handle and reads only its published views",
+    ),
+    (
+        "cluster.placement",
+        (
+            "cluster.cli",
+            "cluster.server",
+            "cluster.doors",
+            "cluster.serving",
+            "cluster.sim",
+            "cluster.ray_connect",
+            "cluster.control",
+            "cluster.config",
+        ),
+        "placement decides from replica views alone, the same in the controller, a gateway and the simulator",
+    ),
+)
+# cluster/ from the top floor down: a module imports only from its own floor or below (within a floor: no circle).
+CLUSTER_FLOORS = (
+    ("cluster.cli",),
+    ("cluster.server",),
+    ("cluster.doors",),
+    ("cluster.serving", "cluster.sim", "cluster.ray_connect"),
+    ("cluster.control",),
+    ("cluster.config",),
+    ("cluster.placement", "cluster.proto"),
 )
 ADAPTER = "vtoken.vllm_adapter"
 
@@ -99,6 +137,28 @@ def wall_breaches(imports: dict[str, set[str]]) -> list[str]:
             if not _under(module, holds) or (banned is VLLM_INTERNALS and _under(module, ADAPTER)):
                 continue
             bad += [f"{module} -> {d} ({why})" for d in sorted(deps) if _under(d, banned)]
+    return bad
+
+
+def floor(name: str) -> int | None:
+    """The floor of a ``cluster`` module, counted from the ground (1); None off the floors (``cluster`` itself)."""
+    for i, rooms in enumerate(CLUSTER_FLOORS):
+        if _under(name, rooms):
+            return len(CLUSTER_FLOORS) - i
+    return None
+
+
+def upward(imports: dict[str, set[str]]) -> list[str]:
+    """Every import of a ``cluster`` module from a floor above its own, as 'module -> import (floor a -> b)'."""
+    bad = []
+    for module, deps in sorted(imports.items()):
+        here = floor(module)
+        if here is None:
+            continue
+        for d in sorted(deps):
+            there = floor(d)
+            if there is not None and there > here:
+                bad.append(f"{module} -> {d} (floor {here} -> {there})")
     return bad
 
 
@@ -159,11 +219,16 @@ def test_no_import_crosses_a_wall():
         ("vtoken.core.policies.h2o", "vllm"),
         ("vtoken.kv.mover", "vllm.config"),
         ("vtoken.kv.tier", "vtoken.vllm_adapter.scheduler"),
-        ("cluster.placement", "vllm.v1.core.sched.scheduler"),
+        ("cluster.placement.strategies", "vllm.v1.core.sched.scheduler"),
         ("actors.engines", "vllm.v1.worker.gpu_worker"),
         ("vtoken.config", "vllm.model_executor.models"),
-        ("cluster.dispatch", "vtoken.bench.concurrency"),
+        ("cluster.serving.dispatch", "vtoken.bench.concurrency"),
         ("actors.replica", "vtoken.bench"),
+        ("cluster.doors.http_middleware", "cluster.control.controller"),
+        ("cluster.doors.grpc_server", "cluster.control.lifecycle"),
+        ("cluster.serving.dispatch", "cluster.control.replica_status"),
+        ("cluster.placement.placer", "cluster.doors.grpc_server"),
+        ("cluster.placement.strategies", "cluster.config"),
     ],
 )
 def test_each_wall_fails_on_a_planted_violation(module, planted):
@@ -173,10 +238,45 @@ def test_each_wall_fails_on_a_planted_violation(module, planted):
     assert any(b.startswith(f"{module} -> {planted} ") for b in wall_breaches(imports))
 
 
+def test_cluster_imports_run_only_down_its_floors():
+    assert not upward(all_imports())
+
+
+def test_every_cluster_module_stands_on_a_floor():
+    off = [m for m in all_imports() if _under(m, "cluster") and m != "cluster" and floor(m) is None]
+    assert not off, f"place these on CLUSTER_FLOORS: {off}"
+
+
+@pytest.mark.parametrize(
+    "module,planted",
+    [
+        ("cluster.control.lifecycle", "cluster.serving.frontend"),  # engine_args lived there once
+        ("cluster.config", "cluster.control.controller"),
+        ("cluster.serving.metrics", "cluster.doors.http_server"),
+        ("cluster.server", "cluster.cli"),
+    ],
+)
+def test_each_floor_fails_on_a_planted_upward_import(module, planted):
+    imports = all_imports()
+    assert module in imports, f"{module} moved: plant the violation elsewhere"
+    imports[module] = imports[module] | {planted}
+    assert any(b.startswith(f"{module} -> {planted} ") for b in upward(imports))
+
+
+def test_a_floor_may_import_its_own_floor_and_those_below():
+    imports = all_imports()
+    imports["cluster.placement.prefix_index"] |= {"cluster.proto.vtoken_pb2"}  # the same floor
+    imports["cluster.doors.auth"] |= {"cluster.placement.strategies", "cluster.serving.requests"}  # below
+    assert not upward(imports)
+
+
 def test_the_adapter_may_import_vllm_internals_and_public_vllm_is_fine_elsewhere():
     imports = all_imports()
     assert any(_under(d, VLLM_INTERNALS) for d in imports["vtoken.vllm_adapter.scheduler"])
-    imports["cluster.requests"] = imports["cluster.requests"] | {"vllm.sampling_params", "vllm.entrypoints.utils"}
+    imports["cluster.serving.requests"] = imports["cluster.serving.requests"] | {
+        "vllm.sampling_params",
+        "vllm.entrypoints.utils",
+    }
     assert not wall_breaches(imports)
 
 

@@ -3,9 +3,9 @@ hysteresis, the local CPU limit. No Ray."""
 
 from __future__ import annotations
 
-from cluster.autoscaler import Autoscaler
 from cluster.config import AutoscalingConfig
-from cluster.placement import ReplicaView
+from cluster.control.autoscaler import Autoscaler
+from cluster.placement.strategies import ReplicaView
 
 
 # ------------------------------------------------------------------------------ autoscaler

@@ -42,6 +42,10 @@ def test_vllm_args_prints_the_flags_engine_kwargs_adds_and_refuses_a_bad_config(
     assert flags[flags.index("--worker-cls") + 1] == kw["worker_cls"]
     assert json.loads(flags[flags.index("--additional-config") + 1]) == kw["additional_config"]
     assert "--no-async-scheduling" in flags and flags[flags.index("--long-prefill-token-threshold") + 1] == "128"
+    r = vt("vllm-args", "{}")  # VTokenConfig's defaults, not vToken off: the flags of mode vtoken
+    assert r.returncode == 0, r.stderr
+    flags = shlex.split(r.stdout)
+    assert json.loads(flags[flags.index("--additional-config") + 1])["vtoken"]["mode"] == "vtoken"
     r = vt("vllm-args", '{"budget": -1}')
     assert r.returncode == 2 and "budget: must be > 0, got -1.0" in r.stderr and "Traceback" not in r.stderr
 

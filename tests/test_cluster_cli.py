@@ -75,8 +75,9 @@ def test_the_gateway_refuses_a_port_another_grpc_server_holds():
     import asyncio
 
     from cluster.config import parse_config
-    from cluster.dispatch import Dispatcher
-    from cluster.gateway import Gateway, PortInUse
+    from cluster.doors.grpc_server import Gateway
+    from cluster.doors.sockets import PortInUse
+    from cluster.serving.dispatch import Dispatcher
 
     async def go():
         other = grpc.aio.server()
@@ -295,7 +296,7 @@ def test_the_start_progress_says_each_move_once_and_how_long_it_waits():
 
 
 def test_a_start_error_is_the_remote_cause_in_one_line_never_rays_traceback():
-    from cluster.lifecycle import start_error
+    from cluster.control.lifecycle import start_error
 
     class RemoteTaskError(RuntimeError):  # what Ray raises: its text the remote traceback, .cause the exception
         def __init__(self, cause):

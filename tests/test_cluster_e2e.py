@@ -18,7 +18,7 @@ import pytest
 from cluster_harness import ensure_ray, generate, status, stub, wait_for
 
 from cluster.config import PlacementConfig, parse_config
-from cluster.placer import SETTLE_S
+from cluster.placement.placer import SETTLE_S
 from cluster.proto import vtoken_pb2 as pb
 from cluster.server import BackgroundServer
 from vtoken.bench.goodput import KV_BYTES, run_load, skewed_load
@@ -121,12 +121,12 @@ def test_a_conversation_follows_its_prefix_cache_on_real_replicas(served):
         turns, seen = [], []
         for k in range(1, 4):
             # Placement puts a replica whose report is stale (older than stale_after_s) after the fresh ones, by
-            # design (cluster/placement.py); on a loaded 2-core machine a report can come late, so each turn waits
-            # for fresh reports, and a miss shows what placement saw.
+            # design (cluster/placement/strategies.py); on a loaded 2-core machine a report can come late, so each turn
+            # waits for fresh reports, and a miss shows what placement saw.
             wait_for(lambda: all(0 <= r["report_age_s"] < 2.0 for r in status(st)["replicas"]), timeout=30,
                      what="fresh reports from every replica")  # fmt: skip
-            # The gateway places from its copy of the controller's index (cluster/placer.py): a turn sent sooner than
-            # SETTLE_S after its blocks reached the controller may not find them there yet.
+            # The gateway places from its copy of the controller's index (cluster/placement/placer.py): a turn sent
+            # sooner than SETTLE_S after its blocks reached the controller may not find them there yet.
             time.sleep(SETTLE_S)
             seen.append([{f: r[f] for f in ("name", "report_age_s", "prefix_blocks", "free_blocks", "running",
                                             "waiting")} for r in status(st)["replicas"]])  # fmt: skip

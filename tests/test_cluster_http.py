@@ -315,7 +315,7 @@ def test_a_template_that_renders_too_long_is_413_for_both_doors_and_health_answe
     """Issue 46: rendering runs off the event loop (vLLM's renderer threads) and is bounded by
     gateway.render_timeout_s: past it, HTTP 413 and gRPC RESOURCE_EXHAUSTED (vLLM's server would answer 500), while
     /health answers throughout; the stuck thread is replaced and the next request renders."""
-    from cluster.requests import RENDER_TIMEOUT_ENV
+    from cluster.serving.requests import RENDER_TIMEOUT_ENV
 
     tok = served.gateway.state.openai_serving_chat.renderer.tokenizer
     plain, before = tok.apply_chat_template, os.environ[RENDER_TIMEOUT_ENV]
@@ -568,10 +568,10 @@ def test_http_with_tls_serves_https_only_and_never_shares_a_port(tmp_path):
     import asyncio
     import socket
 
-    from cluster.dispatch import Dispatcher
-    from cluster.frontend import serving_app
-    from cluster.gateway import PortInUse
-    from cluster.http_gateway import HttpGateway
+    from cluster.doors.http_server import HttpGateway
+    from cluster.doors.sockets import PortInUse
+    from cluster.serving.dispatch import Dispatcher
+    from cluster.serving.frontend import serving_app
 
     cert, key = _self_signed(tmp_path)
     cfg = config("tls", gateway={"http_port": "any", "tls_cert": cert, "tls_key": key})
@@ -621,7 +621,7 @@ def test_what_vllm_serve_answers_the_door_answers(served):
 
 def test_a_replica_lost_mid_answer_is_that_requests_503_and_the_server_serves_on():
     """One replica's death is its requests' error, never the server's: vLLM's server exits when its engine is dead,
-    so the engine client never says so (cluster/remote_engine.py). A whole answer gets a 503, a stream an error
+    so the engine client never says so (cluster/serving/remote_engine.py). A whole answer gets a 503, a stream an error
     event; the door answers meanwhile and serves again once Ray has restarted the replica."""
     import ray
 

@@ -12,9 +12,9 @@ import ray
 from cluster_harness import config, ensure_ray, generate, status, stub, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.placer import SETTLE_S
+from cluster.control.status import render_table
+from cluster.placement.placer import SETTLE_S
 from cluster.server import BackgroundServer
-from cluster.status import render_table
 
 pytestmark = pytest.mark.timeout(180)
 SYSTEM = "You are a careful assistant. " * 40  # 241 tokens of tiny-llama's tokenizer (the door's): 7 blocks of 32

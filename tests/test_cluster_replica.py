@@ -15,9 +15,9 @@ from actors.engines import ABORTED, Chunk, FakeEngine, GenerateSpec
 from actors.replica import Replica
 from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
-from cluster.controller import Controller, ReplicaState
-from cluster.dispatch import failure
-from cluster.replica_status import ReplicaStatus
+from cluster.control.controller import Controller, ReplicaState
+from cluster.control.replica_status import ReplicaStatus
+from cluster.serving.dispatch import failure
 
 Code = grpc.StatusCode
 
@@ -65,7 +65,7 @@ def test_an_unexpected_engine_error_is_internal_and_its_traceback_stays_in_the_l
     async def go():
         r = Replica("r1", Broken)
         await r.start()
-        return await _collect(r, GenerateSpec("rid-42", [1, 2, 3], {"max_tokens": 4})), r
+        return await _collect(r, GenerateSpec("rid-42", [1, 2, 3], {"max_tokens": 4}, 4)), r
 
     with caplog.at_level(logging.ERROR, logger="vtoken.replica"):
         chunks, replica = asyncio.run(go())
@@ -88,8 +88,8 @@ def test_an_unexpected_engine_error_is_internal_and_its_traceback_stays_in_the_l
 def test_how_a_stream_the_server_ended_reaches_the_client(chunk, code, needle):
     from vllm.entrypoints.serve import create_error_response
 
-    from cluster.dispatch import Refused
-    from cluster.remote_engine import vllm_error
+    from cluster.serving.dispatch import Refused
+    from cluster.serving.remote_engine import vllm_error
 
     got, why = failure(chunk, "r")
     assert Code[got.upper()] == code and needle in why and "\n" not in why  # the gRPC door's status
@@ -112,13 +112,13 @@ def test_a_dead_engine_is_logged_once_and_reported_so_the_controller_restarts_th
         ctl = StubController()
         r = Replica("r1", factory, ctl, report_interval_s=0.05, poll_s=0.01)
         await r.start()
-        stream = r.generate(GenerateSpec("a", [1] * 10, {"max_tokens": 200}))
+        stream = r.generate(GenerateSpec("a", [1] * 10, {"max_tokens": 200}, 200))
         got = [await anext(stream), await anext(stream)]
         built[0].hang = True
         await asyncio.sleep(0.05)  # the report loop waits for an answer that will never come
         built[0].die()
         got += [c async for c in stream]
-        refused = await _collect(r, GenerateSpec("b", [1], {"max_tokens": 2}))
+        refused = await _collect(r, GenerateSpec("b", [1], {"max_tokens": 2}, 2))
         await asyncio.sleep(0.2)  # many report polls meet the dead engine
         await r.shutdown()
         return got, refused, ctl.reports, r
@@ -144,7 +144,7 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
     ctl.replicas["a"] = ReplicaState("a", handle="a")
     ctl.replicas["b"] = ReplicaState("b", handle="b")
     restarted: list[str] = []
-    monkeypatch.setattr(ctl, "_restart_process", lambda st: restarted.append(st.name))
+    monkeypatch.setattr(ctl.lifecycle, "_restart_process", lambda st: restarted.append(st.name))
 
     async def go():
         await ctl.report("a", _report("a", free=60))
@@ -160,7 +160,7 @@ def test_the_controller_restarts_a_replica_whose_engine_died_and_places_elsewher
         assert restarted == ["a", "a"] and ctl.replicas["a"].state == "dead"
         assert (await ctl.place("p", 4))[0] == "b"
         await ctl.report("a", _report("a", incarnation="i3", free=64))
-        assert ctl.replicas["a"].state == "healthy" and ctl.recoveries
+        assert ctl.replicas["a"].state == "healthy" and ctl.lifecycle.recoveries
 
     asyncio.run(go())
 
@@ -192,7 +192,7 @@ def test_a_silent_replica_that_answers_a_ping_is_busy_not_dead():
         marked.append(name)
         ctl.replicas[name].state = ReplicaStatus.DEAD
 
-    ctl.mark_failed = mark_failed
+    ctl.lifecycle.mark_failed = mark_failed
 
     async def go():
         monitor = asyncio.ensure_future(ctl._monitor())
@@ -227,7 +227,7 @@ def test_an_idle_replica_reads_its_engine_once_a_report_interval_and_a_busy_one_
         await asyncio.sleep(0.5)
         idle = engine.reads
         busy_from = engine.reads
-        got = await _collect(r, GenerateSpec("a", [1] * 40, {"max_tokens": 30}))
+        got = await _collect(r, GenerateSpec("a", [1] * 40, {"max_tokens": 30}, 30))
         busy = engine.reads - busy_from
         await asyncio.sleep(0.1)
         after = engine.reads
@@ -264,7 +264,7 @@ def test_a_request_the_engine_ended_with_an_error_is_internal_for_its_client_alo
     engine.llm, engine.live = StubLLM(), {}
 
     async def chunks(rid):
-        return [c async for c in engine.generate(GenerateSpec(rid, [1, 2], {"max_tokens": 1}))]
+        return [c async for c in engine.generate(GenerateSpec(rid, [1, 2], {"max_tokens": 1}, 1))]
 
     bad, good = asyncio.run(chunks("bad")), asyncio.run(chunks("good"))
     assert bad == [Chunk.failed("internal", ENDED_WITH_ERROR)] and not engine.errored

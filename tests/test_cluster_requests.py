@@ -1,5 +1,5 @@
-"""The gRPC door's requests, rendered by vLLM's own serving classes (cluster/grpc_requests.py: the protobuf mapped onto
-OpenAI's JSON, then vLLM's protocol models, its renderer and its SamplingParams, as for HTTP), and a request's own
+"""The gRPC door's requests, rendered by vLLM's own serving classes (cluster/doors/grpc_requests.py: the protobuf mapped
+onto OpenAI's JSON, then vLLM's protocol models, its renderer and its SamplingParams, as for HTTP), and a request's own
 eviction options, checked once for both doors. No Ray: vLLM's app over an engine client that is never called."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from cluster.config import parse_config
-from cluster.grpc_requests import parse, render
+from cluster.doors.grpc_requests import parse, render
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import BadRequest
+from cluster.serving.requests import BadRequest
 
 CFG = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"port": 0, "http_port": 0}})
 
@@ -20,7 +20,7 @@ CFG = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"po
 def state():
     from types import SimpleNamespace
 
-    from cluster.frontend import serving_app
+    from cluster.serving.frontend import serving_app
 
     return asyncio.run(serving_app(CFG, SimpleNamespace(inflight=0))).app.state  # rendering checks admission
 
@@ -78,7 +78,7 @@ def test_a_good_request_renders_as_vllm_renders_it(state):
 
 
 def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent():
-    from cluster.grpc_requests import options_from_proto
+    from cluster.doors.grpc_requests import options_from_proto
 
     o = pb.VTokenOptions(policy="scissorhands", budget=0.25, prefill_evict=False, pressure_floor=0.5)
     o.policy_params.update({"history": 16})
@@ -120,7 +120,7 @@ def test_vtoken_options_from_the_proto_keep_counts_whole_and_unset_fields_absent
     ],
 )
 def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, options, needle):
-    from cluster.requests import vtoken_options
+    from cluster.serving.requests import vtoken_options
 
     with pytest.raises(BadRequest) as e:
         vtoken_options(options, served)
@@ -129,7 +129,7 @@ def test_a_requests_eviction_options_are_checked_once_for_both_doors(served, opt
 
 
 def test_accepted_eviction_options_become_request_args_and_bound_the_block_estimate():
-    from cluster.requests import vtoken_options
+    from cluster.serving.requests import vtoken_options
     from vtoken.vllm_adapter import request_args
 
     ev = vtoken_options({"policy": "scissorhands", "budget": 0.125}, {"mode": "vtoken", "policy": "h2o"})
@@ -155,8 +155,8 @@ class _Stream:
     def __init__(self, chunks):
         self.chunks, self.inflight = chunks, 0
 
-    async def stream(self, req, rid, door):
-        from cluster.dispatch import Delta
+    async def stream(self, req, door):
+        from cluster.serving.dispatch import Delta
 
         for c in self.chunks:
             yield Delta("r0", c)
@@ -176,8 +176,8 @@ class _Stream:
 
 
 def _client(chunks):
-    from cluster.frontend import frontend
-    from cluster.remote_engine import RemoteEngineClient
+    from cluster.serving.frontend import frontend
+    from cluster.serving.remote_engine import RemoteEngineClient
 
     return RemoteEngineClient(CFG, frontend(CFG).vllm_config, _Stream(chunks))
 
@@ -189,15 +189,16 @@ def test_the_engine_arguments_and_cache_salt_cross_as_the_serving_layer_set_them
 
     from vllm import SamplingParams
 
-    from cluster.requests import RequestContext
+    from cluster.serving.requests import RequestContext
 
     eng = _client([])
     prompt = {"type": "token", "prompt_token_ids": list(range(5, 100)), "cache_salt": "tenant-a"}
     kw = {"reasoning_ended": False, "priority": 0, "reasoning_parser_kwargs": None}
-    v = asyncio.run(eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), kw))
+    v = asyncio.run(eng._valid(prompt, SamplingParams(max_tokens=4), "r", RequestContext(), "r-1", kw))
     assert v.engine_kwargs == {"reasoning_ended": False, "cache_salt": "tenant-a"} and v.prefix_hashes == ()
+    assert (v.request_id, v.client_id, v.max_tokens, v.n) == ("r-1", "r", 4, 1)  # one id to the replica, set once
     salted = {**prompt, "cache_salt": None}
-    plain = asyncio.run(eng._valid(salted, SamplingParams(max_tokens=4), "r", RequestContext(), {}))
+    plain = asyncio.run(eng._valid(salted, SamplingParams(max_tokens=4), "r", RequestContext(), "r-2", {}))
     assert plain.engine_kwargs == {} and len(plain.prefix_hashes) == 95 // CFG.engine.block_size
 
 
@@ -227,7 +228,7 @@ def test_a_generate_after_its_doors_answer_is_admitted_on_its_own_until_it_ends(
     from vllm import SamplingParams
 
     from actors.wire import Chunk, Seq
-    from cluster.requests import CONTEXT, Live, RequestContext
+    from cluster.serving.requests import CONTEXT, Live, RequestContext
 
     async def run():
         eng = _client([Chunk((Seq(0, " a", (6,), finish_reason="length"),), finished=True)])
@@ -249,7 +250,8 @@ def test_engine_extra_config_dicts_and_the_reasoning_parser_reach_the_gateways_c
     replicas' reasoning_config (thinking_token_budget was refused at the door)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from cluster.frontend import engine_args, frontend
+    from cluster.config import engine_args
+    from cluster.serving.frontend import frontend
     from vtoken.vllm_adapter.engine import config_objects
 
     cfg = parse_config({"model": "fake", "engine": {"kind": "fake", "reasoning_parser": "granite",

@@ -4,7 +4,7 @@ counted until a report shows them, and state that stays bounded over a long run.
 from __future__ import annotations
 
 from cluster.config import parse_config
-from cluster.placement import ReplicaView
+from cluster.placement.strategies import ReplicaView
 
 
 # ------------------------------------------------------------------------------ controller
@@ -13,8 +13,8 @@ def test_controller_never_places_on_dead_draining_or_starting_replicas_and_toler
     import time
 
     from actors.report import empty_pool, unreported
-    from cluster.controller import Controller, ReplicaState
-    from cluster.replica_status import ReplicaStatus
+    from cluster.control.controller import Controller, ReplicaState
+    from cluster.control.replica_status import ReplicaStatus
 
     ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
     now = time.monotonic()
@@ -50,7 +50,7 @@ def test_weighted_counts_requests_placed_since_the_last_report_as_work():
     import time
 
     from actors.report import empty_pool, unreported
-    from cluster.controller import Controller, ReplicaState
+    from cluster.control.controller import Controller, ReplicaState
 
     cfg = {"model": "fake", "engine": {"kind": "fake"}, "placement": {"strategy": "weighted"}}
     ctl = Controller(parse_config(cfg).model_dump())
@@ -77,7 +77,7 @@ def test_weighted_counts_work_left_not_requests():
     import time
 
     from actors.report import empty_pool, unreported
-    from cluster.controller import Controller, ReplicaState
+    from cluster.control.controller import Controller, ReplicaState
 
     cfg = {"model": "fake", "engine": {"kind": "fake"}, "placement": {"strategy": "weighted"}}
     ctl = Controller(parse_config(cfg).model_dump())
@@ -107,7 +107,7 @@ def test_a_promise_lasts_until_a_report_counts_the_request():
     import time
 
     from actors.report import ReplicaReport, empty_pool
-    from cluster.controller import Controller, ReplicaState
+    from cluster.control.controller import Controller, ReplicaState
 
     ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
 
@@ -138,7 +138,7 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
     import tracemalloc
 
     from actors.report import ReplicaReport, empty_pool
-    from cluster.controller import Controller, ReplicaState
+    from cluster.control.controller import Controller, ReplicaState
 
     class Clock:
         now = 1000.0
@@ -151,12 +151,12 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
 
     clock = Clock()
     for module in ("controller", "lifecycle", "snapshot"):
-        monkeypatch.setattr(f"cluster.{module}.time", clock)
+        monkeypatch.setattr(f"cluster.control.{module}.time", clock)
     ctl = Controller(
         parse_config({"model": "fake", "engine": {"kind": "fake"}, "placement": {"promise_ttl_s": 10}}).model_dump()
     )
     ctl.target = 2
-    monkeypatch.setattr(ctl, "_restart_process", lambda st: None)  # Ray's part
+    monkeypatch.setattr(ctl.lifecycle, "_restart_process", lambda st: None)  # Ray's part
     for name in "ab":
         ctl.replicas[name] = ReplicaState(name, handle=name)
 
@@ -205,5 +205,5 @@ def test_the_controllers_state_stays_bounded_over_many_requests(monkeypatch):
     grown = asyncio.run(go())
     # 10 s of promises at 100 requests a second, a third of them never ended: ~330, not the 3,000 leaked
     assert len(ctl.promises) <= 450, len(ctl.promises)
-    assert len(ctl.recoveries) <= 100 and len(ctl.decisions) <= 50 and not ctl._tasks
+    assert len(ctl.lifecycle.recoveries) <= 100 and len(ctl.decisions) <= 50 and not ctl._tasks
     assert grown < 50_000, f"the controller's allocations grew {grown} bytes over 6,000 requests"

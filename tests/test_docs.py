@@ -41,6 +41,28 @@ def test_the_check_finds_a_page_that_drifted_from_its_json(tmp_path, monkeypatch
     assert render.stale({copy: rendered[page]}) == [copy]
 
 
+def test_no_description_in_the_reference_stops_mid_sentence():
+    """Every command's, flag's and key's description is whole: a benchmark's is its docstring's first paragraph, not
+    its first line (four of them once stopped at "after the", "budget and", "to stock" and "task through")."""
+    render = _render_docs()
+    rendered = render.pages()
+    for page in render.REFERENCE:
+        assert render.cut_short(rendered[page]) == [], page.name
+
+
+def test_the_mid_sentence_check_finds_a_description_cut_at_its_first_line():
+    from vtoken.bench import concurrency, lmeval
+
+    render = _render_docs()
+    cli = render.pages()[ROOT / "docs" / "reference" / "cli.md"]
+    for module in (concurrency, lmeval):
+        whole, first_line = " ".join(module.__doc__.split("\n\n")[0].split()), module.__doc__.splitlines()[0]
+        assert whole in cli and first_line != whole
+        assert len(render.cut_short(cli.replace(whole, first_line, 1))) == 1, module.__name__
+    flag = "| `--out` | `bench_out` | folder for the results |"
+    assert flag in cli and render.cut_short(cli.replace(flag, "| `--out` | `bench_out` | folder for the |", 1))
+
+
 def test_every_config_key_and_cli_command_is_in_the_reference():
     from cluster.config import ServeConfig
     from vtoken.config import VTokenConfig

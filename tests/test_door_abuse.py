@@ -33,7 +33,8 @@ BODY_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 2.0
 POOL_BLOCKS = 1024  # of 32 tokens: the slow reader's 24 sequences fit, 128 long ones never do
 TOKEN_DELAY_S = 0.04  # the slow reader's 480 tokens take ~19 s: its end at the write timeout is the gateway's doing
-# Admission by work: two 600 KB bodies in flight at once, not three (cluster/work.py weighs a /tokenize by its size).
+# Admission by work: two 600 KB bodies in flight at once, not three (cluster/serving/work.py weighs a /tokenize by
+# its size).
 MAX_INFLIGHT_TOKENS = 1_500_000
 MSG = [{"role": "user", "content": "hi"}]
 BOMB_PROPS = 400  # outlines' regex builder takes ~4.5 s for 240 of them on this machine, growing with their square

@@ -3,8 +3,8 @@ and autoscaler in the loop (planted changes in them change the result), the comm
 
 import pytest
 
-from cluster import placement
 from cluster.config import AutoscalingConfig
+from cluster.placement import strategies
 from cluster.sim import calibration, study
 from cluster.sim.calibration import BlockProfile, Calibration, StepTime
 from cluster.sim.fleet import Fleet, FleetConfig
@@ -87,12 +87,12 @@ def test_one_scale_out_by_the_real_autoscaler():
 
 
 def test_a_planted_strategy_changes_the_result(monkeypatch):
-    """The simulator calls cluster/placement.py itself: a free_blocks that picks the least free replica
+    """The simulator calls cluster/placement/strategies.py itself: a free_blocks that picks the least free replica
     changes where requests go and how many meet the deadline on the goodput load."""
     real = calibration.load()
     before = study.validate(real, strategies=("free_blocks",))
     monkeypatch.setattr(
-        placement.FreeBlocks, "choose", lambda self, replicas, need: min(replicas, key=lambda r: r.effective_free)
+        strategies.FreeBlocks, "choose", lambda self, replicas, need: min(replicas, key=lambda r: r.effective_free)
     )
     after = study.validate(real, strategies=("free_blocks",))
     assert before["runs"] != after["runs"]
@@ -100,7 +100,7 @@ def test_a_planted_strategy_changes_the_result(monkeypatch):
 
 
 def test_a_planted_autoscaler_changes_the_result(monkeypatch):
-    from cluster.autoscaler import Autoscaler
+    from cluster.control.autoscaler import Autoscaler
 
     auto = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=2, sustain_s=0, cooldown_s=0)
     reqs = [Request(0, 0.0, 64, 400), Request(1, 0.01, 64, 2)]
@@ -122,7 +122,7 @@ def test_workloads_are_seeded():
 def test_best_fit_and_weighted_choose_as_documented():
     """best_fit: the tightest replica that fits (fresh first), else the most free; weighted: the free share
     less the work left (tokens to go) and waiting, each against the busiest; both put a replica that fits first."""
-    from cluster.placement import ReplicaView, make_strategy
+    from cluster.placement.strategies import ReplicaView, make_strategy
 
     vs = [
         ReplicaView("a", free_blocks=50, total_blocks=64, running=8, tokens_to_go=800),
@@ -223,7 +223,7 @@ def test_prefix_placement_follows_conversations_near_the_oracle_and_far_above_we
 def test_a_planted_prefix_strategy_that_ignores_the_index_loses_its_hits(monkeypatch):
     real = calibration.load()
     before = study.chat_run(real, chat_spec(), "prefix", 16, 16.0)["hit_rate"]
-    monkeypatch.setattr(placement.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
+    monkeypatch.setattr(strategies.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
     after = study.chat_run(real, chat_spec(), "prefix", 16, 16.0)["hit_rate"]
     assert after < before - 0.15
 
@@ -250,5 +250,5 @@ def test_a_planted_prefix_strategy_that_ignores_the_index_does_not_halve_the_ttf
 
     real, s = calibration.load(), spec("long", 10.0, 0)
     weighted = study.chat_run(real, s, "weighted", 16, 16.0)["ttft_p50_s"]
-    monkeypatch.setattr(placement.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
+    monkeypatch.setattr(strategies.Prefix, "choose", lambda self, replicas, need: self.weighted.choose(replicas, need))
     assert study.chat_run(real, s, "prefix", 16, 16.0)["ttft_p50_s"] > 0.8 * weighted

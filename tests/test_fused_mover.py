@@ -18,13 +18,16 @@ from vtoken.kv.move_kernel import pool_rows  # noqa: E402
 from vtoken.kv.mover import ReferenceMover  # noqa: E402
 
 BS, NB, H, HS, LAYERS = 4, 12, 2, 8, 5  # 5 layers: groups of 1, 2, 2
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # uint8: an fp8 cache's storage (issue 58)
 
 
 def state(dtype, device="cpu", seed=0):
     """KV caches in the FlashAttention layout and the scorer's two per-slot tensors (fp32 sums, int64 bits)."""
     g = torch.Generator().manual_seed(seed)
-    kv = [torch.randn(NB, H, BS, 2 * HS, generator=g).to(dtype) for _ in range(LAYERS)]
+    if dtype == torch.uint8:  # every byte value, fp8's NaN codes included: a move copies bytes, never values
+        kv = [torch.randint(0, 256, (NB, H, BS, 2 * HS), generator=g, dtype=torch.uint8) for _ in range(LAYERS)]
+    else:
+        kv = [torch.randn(NB, H, BS, 2 * HS, generator=g).to(dtype) for _ in range(LAYERS)]
     extra = [torch.randn(NB * BS, generator=g), torch.randint(-(2**62), 2**62, (NB * BS,), generator=g)]
     return [t.to(device) for t in kv], [t.to(device) for t in extra]
 

@@ -25,7 +25,7 @@ def test_bearer_auth_scheme_in_any_case_and_open_health_checks(method, metadata,
 
     import grpc
 
-    from cluster.gateway import HEALTH_PREFIX, BearerAuth
+    from cluster.doors.grpc_server import HEALTH_PREFIX, BearerAuth
 
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
 

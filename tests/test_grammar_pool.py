@@ -1,4 +1,4 @@
-"""Structured outputs checked in worker processes (cluster/grammar_pool.py), with the gateway's own vLLM config
+"""Structured outputs checked in worker processes (cluster/serving/grammar_pool.py), with the gateway's own vLLM config
 (tiny-llama's, SmolLM2's tokenizer): the event loop never compiles a grammar, a check past its time is refused and
 its worker replaced, a bad grammar is vLLM's own 400, a grammar checked once is not checked again. No Ray."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 from cluster_harness import config
 
-from cluster.frontend import frontend
-from cluster.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
+from cluster.serving.frontend import frontend
+from cluster.serving.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
 
 pytestmark = pytest.mark.timeout(300)
 

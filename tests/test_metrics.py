@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _snapshot(**pool):
     from actors.report import ReplicaReport, empty_pool
-    from cluster.replica_status import ReplicaStatus
-    from cluster.snapshot import ClusterSnapshot, ReplicaSnapshot
+    from cluster.control.replica_status import ReplicaStatus
+    from cluster.control.snapshot import ClusterSnapshot, ReplicaSnapshot
 
     p = empty_pool(32)._replace(**pool)
     report = ReplicaReport("r1", "i", True, False, 0, 1.0, p, prefix_queries=400, prefix_hits=96)
@@ -27,7 +27,7 @@ def test_metrics_render_per_replica_series_with_vllm_names_in_a_registry_of_thei
     from prometheus_client.parser import text_string_to_metric_families
 
     from actors.wire import Chunk, Seq
-    from cluster.metrics import Metrics
+    from cluster.serving.metrics import Metrics
 
     a, b = Metrics("m"), Metrics("m")  # two servers in one process share nothing
     t = a.timer("http", 7)
@@ -60,7 +60,7 @@ def test_metrics_render_per_replica_series_with_vllm_names_in_a_registry_of_thei
 def test_capacity_feed_sends_at_once_then_coalesces_changes_and_stops_polling_without_watchers():
     import asyncio
 
-    from cluster.capacity import CapacityFeed
+    from cluster.control.capacity import CapacityFeed
 
     class Ctl:
         def __init__(self):
@@ -111,7 +111,7 @@ def test_the_grafana_dashboard_plots_only_series_the_server_exposes():
     from prometheus_client.parser import text_string_to_metric_families
 
     from actors.wire import Chunk, Seq
-    from cluster.metrics import Metrics
+    from cluster.serving.metrics import Metrics
 
     m = Metrics("m")
     t = m.timer("http", 3)
@@ -134,7 +134,7 @@ def test_the_grafana_dashboard_plots_only_series_the_server_exposes():
 
 
 def test_status_carries_each_replicas_prefix_cache_through_the_proto_and_the_table():
-    from cluster.status import cluster_status, from_proto, render_table, to_proto
+    from cluster.control.status import cluster_status, from_proto, render_table, to_proto
 
     st = from_proto(to_proto(cluster_status(_snapshot(total_blocks=10))))
     (row,) = st["replicas"]

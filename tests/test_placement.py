@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import STRATEGIES, ReplicaView, make_strategy
+from cluster.placement.strategies import STRATEGIES, ReplicaView, make_strategy
 
 
 # ------------------------------------------------------------------------------ placement

@@ -1,5 +1,5 @@
-"""Placement in the gateway (cluster/placer.py) against the controller's own: the same choices for a burst placed
-between two refreshes, every placement counted by the controller, ``prefix`` from copies of the controller's
+"""Placement in the gateway (cluster/placement/placer.py) against the controller's own: the same choices for a burst
+placed between two refreshes, every placement counted by the controller, ``prefix`` from copies of the controller's
 prefix indexes, and the controller still placing when the gateway's copy cannot (too old, no replica left)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 
 from actors.report import empty_pool, unreported
 from cluster.config import parse_config
-from cluster.controller import Controller, ReplicaState
-from cluster.placer import Placer
-from cluster.prefix_index import with_prefix
-from cluster.replica_status import ReplicaStatus
+from cluster.control.controller import Controller, ReplicaState
+from cluster.control.replica_status import ReplicaStatus
+from cluster.placement.placer import Placer
+from cluster.placement.prefix_index import with_prefix
 
 
 class Remote:
@@ -158,7 +158,7 @@ def test_a_promise_after_its_request_was_admitted_or_ended_is_not_counted():
 
 
 def test_the_gateway_places_from_views_unless_told_not_to():
-    from cluster.dispatch import Dispatcher
+    from cluster.serving.dispatch import Dispatcher
 
     cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}})
     assert cfg.gateway.placement_refresh_s > 0

@@ -12,8 +12,8 @@ import pytest
 
 from actors.prefix_tracker import PrefixTracker
 from actors.report import PrefixDelta
-from cluster import prefix_index
-from cluster.prefix_index import PrefixIndex, with_prefix
+from cluster.placement import prefix_index
+from cluster.placement.prefix_index import PrefixIndex, with_prefix
 from vtoken.prefix_hash import ROOT, block_hash, prefix_hashes
 
 BS = 4
@@ -261,7 +261,7 @@ def _controller(names=("a", "b")):
 
     from actors.report import empty_pool, unreported
     from cluster.config import parse_config
-    from cluster.controller import Controller, ReplicaState
+    from cluster.control.controller import Controller, ReplicaState
 
     ctl = Controller(parse_config({"model": "fake", "engine": {"kind": "fake"}}).model_dump())
     for n in names:
@@ -286,7 +286,7 @@ def _hits(ctl, prompt: list[int]) -> dict[str, int]:
 
 
 def test_the_controller_index_follows_stores_removals_restarts_gaps_and_deaths():
-    from cluster.replica_status import ReplicaStatus
+    from cluster.control.replica_status import ReplicaStatus
 
     ctl = _controller()
     prompt = list(range(16))
@@ -309,19 +309,19 @@ def test_the_controller_index_follows_stores_removals_restarts_gaps_and_deaths()
     assert _report(ctl, "a", PrefixDelta(10, h, full=True), incarnation="i2") is False
     assert _hits(ctl, prompt)["a"] == 4
     # dies: its index goes with it, and a dead replica is no view at all
-    ctl._transition(ctl.replicas["a"], ReplicaStatus.DEAD, "test")  # as mark_failed does
+    ctl.lifecycle.transition(ctl.replicas["a"], ReplicaStatus.DEAD, "test")  # as mark_failed does
     assert "a" not in ctl.prefix and ctl.replicas["a"].state is ReplicaStatus.DEAD
     assert set(_hits(ctl, prompt)) == {"b"}
     # removed: the same
     _report(ctl, "b", PrefixDelta(1, h))
-    ctl._remove(ctl.replicas["b"], "test")
+    ctl.lifecycle.remove(ctl.replicas["b"], "test")
     assert ctl.prefix == {}
 
 
 def test_the_controller_places_on_the_prefix_and_never_on_a_dead_or_draining_replica():
     import asyncio
 
-    from cluster.replica_status import ReplicaStatus
+    from cluster.control.replica_status import ReplicaStatus
 
     ctl = _controller(("a", "b", "c"))
     asyncio.run(ctl.set_placement("prefix"))

@@ -32,6 +32,18 @@ def decode_restores(trace: dict) -> int:
     return total
 
 
+def recalls_hidden(r):
+    """A copy of run ``r`` whose traces leave out every token brought back while decoding (a negative control)."""
+    hidden = copy.deepcopy(r)
+    for t in hidden.trace:
+        chunks = len(t.get("prefill_chunks") or [])
+        keep = [i for i, at in enumerate(t.get("restored_at_forward", [])) if at <= chunks]
+        for key in ("restored_positions", "parked_at_forward", "restored_at_forward"):
+            if key in t:
+                t[key] = [t[key][i] for i in keep]
+    return hidden
+
+
 @pytest.mark.parametrize("name, cfg, kw", [("pressure", PRESSURE_CFG, SHORT), ("always", ALWAYS_CFG, {})])
 def test_recall_while_decoding_is_exact(name, cfg, kw):
     r = engine(cfg, **kw)
@@ -44,15 +56,8 @@ def test_recall_while_decoding_is_exact(name, cfg, kw):
 @pytest.mark.parametrize("name, cfg, kw", [("pressure", PRESSURE_CFG, SHORT), ("always", ALWAYS_CFG, {})])
 def test_negative_control_a_recall_the_reference_is_not_told_about_breaks_exactness(name, cfg, kw):
     r = engine(cfg, **kw)
-    hidden = copy.deepcopy(r)
-    for t in hidden.trace:
-        chunks = len(t.get("prefill_chunks") or [])
-        keep = [i for i, at in enumerate(t.get("restored_at_forward", [])) if at <= chunks]
-        for key in ("restored_positions", "parked_at_forward", "restored_at_forward"):
-            if key in t:
-                t[key] = [t[key][i] for i in keep]
     with pytest.raises(AssertionError):
-        check_exact(hidden)
+        check_exact(recalls_hidden(r))
 
 
 def test_without_recall_parked_tokens_come_back_only_when_the_pool_has_room_and_outputs_stay_exact():
@@ -61,6 +66,22 @@ def test_without_recall_parked_tokens_come_back_only_when_the_pool_has_room_and_
     restored_while_decoding = sum(decode_restores(t) for t in r.trace)
     assert restored_while_decoding == r.stats["tokens_reinflated"]
     check_exact(r)
+
+
+def test_a_recall_at_every_step_costs_no_preemption_and_stays_exact():
+    """Issue 58: in pressure mode a request's recall is its one compaction of the step, and a request that recalled
+    used to be left out of the step's shed. At recall_every 1 the requests holding parked tokens recall at every
+    step, so they never gave back a block, and vLLM preempted running requests for their growth (6-7 preemptions
+    here, 1 without recall: the pool then runs out at the budgets). A recall now sheds its share in the same
+    choice: no more preemptions than without recall, tokens still come back, outputs equal the masked reference."""
+    every = engine({**PRESSURE_CFG, "recall_every": 1}, **SHORT)
+    never = engine({**PRESSURE_CFG, "recall_every": 0}, **SHORT)
+    pre = {name: r.metrics["vllm:num_preemptions"] for name, r in (("every", every), ("never", never))}
+    assert pre["every"] <= pre["never"], pre
+    assert every.stats["recalls"] > 0 and every.stats["tokens_recalled"] > 0, every.stats
+    assert sum(decode_restores(t) for t in every.trace) > 0, "tokens came back while decoding"
+    check_exact(every)
+    assert every.stats["free_blocks"] == every.stats["total_blocks"]
 
 
 def test_recall_with_summaries_and_exact_both_stay_exact_and_mostly_agree():

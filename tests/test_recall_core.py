@@ -54,7 +54,7 @@ def test_a_recall_swaps_parked_winners_for_live_losers_and_keeps_the_count():
     st = sim.core.states["a"]
     live, parked = st.table.num_live, st.parked.size
     sim.core.receive_stats("a", scores(sim, "a", True, rng))
-    sim.step({"a": 1, "b": 1}, waiting=[40])
+    sim.step({"a": 1, "b": 1}, waiting=[4])  # something waits (no re-inflation), the pool is not short (no shed)
     sim.check()  # the recalled tokens' K and V came back from the tier byte for byte
     assert sim.core.totals.recalls == 1 and sim.core.totals.tokens_recalled > 0
     assert st.table.num_live == live + 1  # the same count, plus the token this step's forward wrote
@@ -128,3 +128,34 @@ def test_admission_reserves_what_each_request_may_park():
     core.admit("a", "a", policy, prefill_len=40, max_len=80)
     assert core.states["a"].tier_need == 60
     assert core.tier_admissible([40, 1]) == 1 and core.tier_admissible([41]) == 0
+
+
+def test_a_recall_on_a_short_pool_sheds_in_the_same_choice_so_no_forward_loses_its_block():
+    """Issue 58: a pressure-mode request recalls at every step (recall_every 1) on a pool with no free block, and its
+    next token needs a new one. Its recall is its one compaction of the step, so it used to be left out of the shed:
+    nobody gave back the block, and vLLM preempted a running request for its growth. Now the recall chooses among
+    live and parked tokens keeping what the shed leaves it: parked winners still come back, and every forward runs."""
+    sim = KVSim(num_blocks=16, block_size=BS, tier_tokens=256)
+    policy = make_policy("snapkv", budget=0.25, sink=0, recent=0)
+    rng = np.random.default_rng(2)
+    for rid in ("a", "b"):
+        sim.add(rid, prompt=32, policy=policy, pressure=True)
+    sim.step({"a": 32, "b": 32})  # every block taken
+    for rid in ("a", "b"):
+        sim.core.receive_stats(rid, scores(sim, rid, False, rng))
+    sim.step({"a": 1, "b": 1})  # each next token needs a block: both shed one token, and park it
+    for n in range(6):
+        for rid in ("a", "b"):  # the window scored over live and parked keys: both recall now
+            sim.core.receive_stats(rid, scores(sim, rid, True, rng))
+        before = {rid: r.computed for rid, r in sim.reqs.items()}
+        recalled = sim.core.totals.tokens_recalled
+        sim.step({"a": 1, "b": 1})
+        sim.check()  # recalled tokens' K and V came back byte for byte
+        assert {rid: r.computed - before[rid] for rid, r in sim.reqs.items()} == {"a": 1, "b": 1}, (
+            f"step {n}: a forward found no free block (vLLM would preempt a running request for its growth)"
+        )
+        assert sim.core.totals.tokens_recalled > recalled, "parked winners still come back"
+        for rid in ("a", "b"):
+            st = sim.core.states[rid]
+            assert st.phase is Phase.KEEPING and st.table.num_live >= st.keep(st.table.num_logical)
+    assert sim.core.totals.recalls == 12

@@ -9,8 +9,8 @@ import ray
 from cluster_harness import config, ensure_ray, status, stub
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.control.status import render_table
 from cluster.server import BackgroundServer
-from cluster.status import render_table
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,12 +15,11 @@ import pytest
 
 from actors.report import ReplicaReport, empty_pool
 from cluster.config import parse_config
-from cluster.controller import Controller, ReplicaState
-from cluster.replica_status import TRANSITIONS, InvalidTransition, ReplicaStatus
-from cluster.snapshot import replica_views, take_snapshot
-from cluster.status import cluster_status, to_proto
+from cluster.control.controller import Controller, ReplicaState
+from cluster.control.replica_status import TRANSITIONS, InvalidTransition, ReplicaStatus
+from cluster.control.snapshot import replica_views, take_snapshot
+from cluster.control.status import cluster_status, to_proto
 
-S = ReplicaStatus
 ALL = list(ReplicaStatus)
 ALLOWED = [(a, b) for a in ALL for b in sorted(TRANSITIONS[a])]
 DISALLOWED = [(a, b) for a, b in itertools.product(ALL, ALL) if b not in TRANSITIONS[a]]
@@ -103,10 +102,14 @@ def with_replicas(ctl: Controller, *states: tuple[str, ReplicaStatus], handle=No
 # ------------------------------------------------------------------------------ the enum and its table
 def test_the_values_are_the_strings_status_metrics_and_the_capacity_stream_have_always_carried():
     assert [s.value for s in ReplicaStatus] == ["starting", "healthy", "dead", "draining", "failed"]
-    assert ReplicaStatus("healthy") is S.HEALTHY and S.DEAD == "dead" and json.dumps(S.DRAINING) == '"draining"'
-    assert [s for s in ReplicaStatus if s.serving()] == [S.HEALTHY]
-    assert {s for s in ReplicaStatus if not s.takes_reports()} == {S.DRAINING, S.FAILED}
-    assert set(TRANSITIONS) == set(ReplicaStatus) and not TRANSITIONS[S.DRAINING]
+    assert (
+        ReplicaStatus("healthy") is ReplicaStatus.HEALTHY
+        and ReplicaStatus.DEAD == "dead"
+        and json.dumps(ReplicaStatus.DRAINING) == '"draining"'
+    )
+    assert [s for s in ReplicaStatus if s.serving()] == [ReplicaStatus.HEALTHY]
+    assert {s for s in ReplicaStatus if not s.takes_reports()} == {ReplicaStatus.DRAINING, ReplicaStatus.FAILED}
+    assert set(TRANSITIONS) == set(ReplicaStatus) and not TRANSITIONS[ReplicaStatus.DRAINING]
     with pytest.raises(ValueError):
         ReplicaState("r", handle=None, state="healty")
 
@@ -114,9 +117,9 @@ def test_the_values_are_the_strings_status_metrics_and_the_capacity_stream_have_
 @pytest.mark.parametrize("frm, to", ALLOWED, ids=[f"{a}->{b}" for a, b in ALLOWED])
 def test_every_allowed_transition_succeeds_is_logged_and_leaves_no_promise_outside_serving(frm, to, records):
     ctl = controller()
-    with_replicas(ctl, ("r", frm), ("other", S.HEALTHY))
+    with_replicas(ctl, ("r", frm), ("other", ReplicaStatus.HEALTHY))
     ctl.promises = {"q": ctl_promise("r"), "p": ctl_promise("other")}
-    ctl._transition(ctl.replicas["r"], to, "because of a test")
+    ctl.lifecycle.transition(ctl.replicas["r"], to, "because of a test")
     assert ctl.replicas["r"].state is to
     assert ("q" in ctl.promises) == to.serving() and "p" in ctl.promises  # only its own promises go
     assert any(f"replica r: {frm} -> {to}: because of a test" in line for _, line in records.lines), records.lines
@@ -128,34 +131,34 @@ def test_every_other_transition_raises_a_clear_error_and_changes_nothing(frm, to
     with_replicas(ctl, ("r", frm))
     ctl.promises = {"q": ctl_promise("r")}
     with pytest.raises(InvalidTransition, match=f"replica r: {frm} -> {to} is not a valid transition") as e:
-        ctl._transition(ctl.replicas["r"], to, "because of a test")
+        ctl.lifecycle.transition(ctl.replicas["r"], to, "because of a test")
     assert "(because of a test)" in str(e.value) and "it may go to" in str(e.value)
     assert ctl.replicas["r"].state is frm and "q" in ctl.promises and not records.lines
 
 
 def ctl_promise(replica: str):
-    from cluster.controller import Promise
+    from cluster.control.controller import Promise
 
     return Promise(replica, 8, time.monotonic())
 
 
 def test_death_and_recovery_times_are_kept_by_the_transition():
     ctl = controller()
-    with_replicas(ctl, ("r", S.HEALTHY))
+    with_replicas(ctl, ("r", ReplicaStatus.HEALTHY))
     st = ctl.replicas["r"]
-    ctl._transition(st, S.DEAD, "call failed")
+    ctl.lifecycle.transition(st, ReplicaStatus.DEAD, "call failed")
     died = st.died_at
-    ctl._transition(st, S.DEAD, "its engine died again")
+    ctl.lifecycle.transition(st, ReplicaStatus.DEAD, "its engine died again")
     assert st.died_at == died  # the first death counts
-    ctl._transition(st, S.HEALTHY, "reported healthy")
-    assert st.died_at is None and len(ctl.recoveries) == 1 and ctl.recoveries[0] >= 0
+    ctl.lifecycle.transition(st, ReplicaStatus.HEALTHY, "reported healthy")
+    assert st.died_at is None and len(ctl.lifecycle.recoveries) == 1 and ctl.lifecycle.recoveries[0] >= 0
 
 
 # ------------------------------------------------------------------------------ promises, through the controller
 async def _healthy_with_a_promise(ctl: Controller, handle: Handle) -> ReplicaState:
-    with_replicas(ctl, ("a", S.STARTING), handle=handle)
+    with_replicas(ctl, ("a", ReplicaStatus.STARTING), handle=handle)
     await ctl.report("a", report("a"))  # starting -> healthy
-    assert ctl.replicas["a"].state is S.HEALTHY
+    assert ctl.replicas["a"].state is ReplicaStatus.HEALTHY
     assert (await ctl.place("q", 8))[0] == "a" and "q" in ctl.promises
     return ctl.replicas["a"]
 
@@ -165,37 +168,37 @@ async def call_failed(ctl, st, monkeypatch):
 
 
 async def engine_died(ctl, st, monkeypatch):
-    monkeypatch.setattr(ctl, "_restart_process", lambda st: None)  # Ray's part
+    monkeypatch.setattr(ctl.lifecycle, "_restart_process", lambda st: None)  # Ray's part
     await ctl.report("a", report("a", healthy=False))  # the same incarnation: only the transition voids
 
 
 async def silent(ctl, st, monkeypatch):
     st.handle = Handle(answers=False)
     st.reported_at = st.alive_at = time.monotonic() - 10
-    ctl._probe_silent(time.monotonic())
+    ctl.lifecycle.probe_silent(time.monotonic())
     await st.probe
 
 
 async def start_failed(ctl, st, monkeypatch):
     st.handle = Handle(start_error=RuntimeError("too small a pool"))
-    await ctl._start_replica(st)
+    await ctl.lifecycle._start_replica(st)
 
 
 async def drained(ctl, st, monkeypatch):
-    monkeypatch.setattr("cluster.lifecycle.ray.kill", lambda *a, **k: None)
+    monkeypatch.setattr("cluster.control.lifecycle.ray.kill", lambda *a, **k: None)
     ctl.target = 0
     ctl._reconcile()  # scale-in: drains it in the background
     await asyncio.sleep(0)
-    assert st.state is S.DRAINING and "a" in ctl.replicas  # still draining: the promise is gone already
+    assert st.state is ReplicaStatus.DRAINING and "a" in ctl.replicas  # still draining: the promise is gone already
     return st.handle.release
 
 
 PATHS = {
-    "healthy->dead (a call failed)": (call_failed, S.DEAD),
-    "healthy->dead (its engine died)": (engine_died, S.DEAD),
-    "healthy->dead (silent, no answer to a ping)": (silent, S.DEAD),
-    "healthy->failed (a restart failed to start)": (start_failed, S.FAILED),
-    "healthy->draining (scale-in)": (drained, S.DRAINING),
+    "healthy->dead (a call failed)": (call_failed, ReplicaStatus.DEAD),
+    "healthy->dead (its engine died)": (engine_died, ReplicaStatus.DEAD),
+    "healthy->dead (silent, no answer to a ping)": (silent, ReplicaStatus.DEAD),
+    "healthy->failed (a restart failed to start)": (start_failed, ReplicaStatus.FAILED),
+    "healthy->draining (scale-in)": (drained, ReplicaStatus.DRAINING),
 }
 
 
@@ -220,13 +223,20 @@ def test_a_promise_is_voided_on_every_path_out_of_serving(path, monkeypatch):
 
 
 def test_every_way_out_of_healthy_in_the_table_has_a_path_above():
-    assert set(TRANSITIONS[S.HEALTHY]) == {to for _, to in PATHS.values()}
+    assert set(TRANSITIONS[ReplicaStatus.HEALTHY]) == {to for _, to in PATHS.values()}
 
 
 # ------------------------------------------------------------------------------ one snapshot for all readers
 def test_the_autoscaler_placement_and_status_read_the_same_snapshot(monkeypatch):
     ctl = controller(stale_after_s=3)
-    with_replicas(ctl, ("a", S.HEALTHY), ("b", S.HEALTHY), ("c", S.DEAD), ("d", S.DRAINING), ("e", S.STARTING))
+    with_replicas(
+        ctl,
+        ("a", ReplicaStatus.HEALTHY),
+        ("b", ReplicaStatus.HEALTHY),
+        ("c", ReplicaStatus.DEAD),
+        ("d", ReplicaStatus.DRAINING),
+        ("e", ReplicaStatus.STARTING),
+    )
     ctl.replicas["b"].reported_at -= 10  # stale
     asyncio.run(ctl.place("q", 8))
     seen = []

@@ -23,7 +23,7 @@ def test_a_stock_engine_reports_its_pool_while_a_request_runs_and_after():
         engine = VLLMEngine("tiny-llama", {"mode": "off"}, ARGS)
         try:
             idle = await engine.pool_report()
-            spec = GenerateSpec("r1", list(range(100, 400)), {"max_tokens": 64, "ignore_eos": True})
+            spec = GenerateSpec("r1", list(range(100, 400)), {"max_tokens": 64, "ignore_eos": True}, 64)
             seen = []
             async for chunk in engine.generate(spec):
                 if len(seen) == 8:
@@ -55,7 +55,7 @@ def test_a_stock_engine_whose_last_request_was_aborted_reports_every_block_free(
     async def main():
         engine = VLLMEngine("tiny-llama", {"mode": "off"}, ARGS)
         try:
-            spec = GenerateSpec("r1", list(range(100, 400)), {"max_tokens": 200, "ignore_eos": True})
+            spec = GenerateSpec("r1", list(range(100, 400)), {"max_tokens": 200, "ignore_eos": True}, 200)
             gen = engine.generate(spec)
             for _ in range(5):
                 await anext(gen)

@@ -1,7 +1,7 @@
 """A request's chat_template_kwargs hold only the variables the model's chat template reads
-(cluster/template_kwargs.py), with SmolLM2's real tokenizer and template as vLLM's renderer in the gateway resolves
-them: every argument of transformers' renderer is refused by name on every route whose vLLM model carries the field;
-a variable a template reads passes; the routes table is held against vLLM's app. No Ray, no server, no engine
+(cluster/serving/template_kwargs.py), with SmolLM2's real tokenizer and template as vLLM's renderer in the gateway
+resolves them: every argument of transformers' renderer is refused by name on every route whose vLLM model carries the
+field; a variable a template reads passes; the routes table is held against vLLM's app. No Ray, no server, no engine
 client: the gateway's vLLM config, its renderer and vLLM's app (routes only, never called)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.config import parse_config
-from cluster.requests import BadRequest
-from cluster.template_kwargs import (
+from cluster.serving.requests import BadRequest
+from cluster.serving.template_kwargs import (
     CARRIERS,
     FIELD,
     LISTED,
@@ -53,15 +53,15 @@ STUB = "{{ my_var }}{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ p
 
 @pytest.fixture(scope="module")
 def gateway():
-    """What the gateway builds (cluster/frontend.py): vLLM's config for SmolLM2, its renderer (as
+    """What the gateway builds (cluster/serving/frontend.py): vLLM's config for SmolLM2, its renderer (as
     RemoteEngineClient.renderer), the loaded --chat-template (as OnlineRenderer.chat_template: none) and vLLM's
     app, whose routes are registered by build_app."""
     from vllm.entrypoints.launchers.app import build_app
     from vllm.renderers import renderer_from_config
     from vllm.renderers.chat_utils import load_chat_template
 
-    from cluster.frontend import frontend
-    from cluster.remote_engine import SUPPORTED_TASKS
+    from cluster.serving.frontend import frontend
+    from cluster.serving.remote_engine import SUPPORTED_TASKS
 
     fe = frontend(CFG)
     renderer = renderer_from_config(fe.vllm_config)
@@ -205,7 +205,7 @@ def test_the_table_is_every_route_of_vllms_app_whose_model_has_the_field(gateway
     from vllm.entrypoints.generate.factories import get_generate_invocation_types
     from vllm.entrypoints.scale_out.render.api_router import router as render_router
 
-    from cluster.remote_engine import SUPPORTED_TASKS
+    from cluster.serving.remote_engine import SUPPORTED_TASKS
 
     paths = {getattr(r, "path", None) for r in gateway.app.routes}
     found = _carrying(gateway.app.routes) | _carrying(render_router.routes)

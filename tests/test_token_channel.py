@@ -350,7 +350,7 @@ def test_ray_streams_when_configured():
 def test_the_dispatcher_merges_what_is_already_here():
     """A gateway that fell behind sends one merged delta for a request's waiting chunks (dispatch.coalesce), as
     vLLM's AsyncLLM does; it stops at the finished chunk, and never merges a failed one."""
-    from cluster.dispatch import coalesce
+    from cluster.serving.dispatch import coalesce
 
     class Here:
         def __init__(self, chunks):

@@ -39,6 +39,7 @@ def _run(
     options: tuple | None = None,
     knobs: str | None = None,
     lengths: tuple = (70, 130, 45, 100),
+    kv_cache_dtype: str = "auto",
 ):
     import tempfile
 
@@ -61,6 +62,7 @@ def _run(
         enable_prefix_caching=bool(shared_prefix),
         options=[json.loads(o) if o else None for o in options] if options else None,
         knobs=json.loads(knobs) if knobs else None,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -83,13 +85,14 @@ def reference_model():
     return load(str(model_path("tiny-llama")))
 
 
-def check_exact(r, tol=1e-4, late: int = 0, joint: bool = True):
+def check_exact(r, tol=1e-4, late: int = 0, joint: bool = True, kv_cache_dtype: str | None = None):
     """Tokens equal the masked reference's greedy tokens; log-probabilities within tol. ``late`` and ``joint``:
-    negative controls of the reference (tests/reference.py)."""
+    negative controls of the reference (tests/reference.py). ``kv_cache_dtype``: the reference reads keys and
+    values as that cache stores them."""
     ref = reference_model()
     worst = 0.0
     for tokens, lps, tr in zip(r.tokens, r.logprobs, r.trace):
-        greedy, ref_lp = masked_logprobs(ref, tr, late, joint)
+        greedy, ref_lp = masked_logprobs(ref, tr, late, joint, kv_cache_dtype)
         assert tr["output_token_ids"] == tokens
         assert np.allclose(tr["logprobs"], lps), "the trace's logprobs are the ones the request received"
         assert greedy.tolist() == tokens, "greedy tokens differ from the masked reference"

@@ -1,5 +1,5 @@
-"""A request's work (cluster/work.py), admission by it (Dispatcher.admit), the parse stage's bound, and placement's
-refusal of a request no pool can ever hold (placement.check_fits): no Ray, no server. The doors' end-to-end
+"""A request's work (cluster/serving/work.py), admission by it (Dispatcher.admit), the parse stage's bound, and
+placement's refusal of a request no pool can ever hold (placement.check_fits): no Ray, no server. The doors' end-to-end
 behaviour is in tests/test_door_abuse.py."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import parse_config
-from cluster.dispatch import Dispatcher, Refused
-from cluster.placement import ReplicaView, TooLarge, check_fits
-from cluster.requests import BadRequest
-from cluster.work import RENDER, WorkTally, request_work
+from cluster.placement.strategies import ReplicaView, TooLarge, check_fits
+from cluster.serving.dispatch import Dispatcher, Refused
+from cluster.serving.requests import BadRequest
+from cluster.serving.work import RENDER, WorkTally, request_work
 
 CFG = parse_config({"model": "fake", "engine": {"kind": "fake"}})
 G = CFG.gateway
@@ -124,7 +124,7 @@ def test_large_bodies_take_turns_to_render_so_a_thread_is_left_to_small_ones():
     Negative control: with parse_workers 3, two large ones render together."""
     import asyncio
 
-    from cluster.dispatch import LARGE_BODY
+    from cluster.serving.dispatch import LARGE_BODY
 
     async def main(workers: int) -> tuple[bool, bool]:
         cfg = parse_config({"model": "fake", "engine": {"kind": "fake"}, "gateway": {"parse_workers": workers}})

@@ -7,7 +7,7 @@ Where things happen, one folder each:
                         layout, the parking tier, attention statistics
   vtoken/vllm_adapter/  the one place that knows vLLM's internals (scheduler, worker, model runner, engine)
 At the top, what a user touches first: config.py (VTokenConfig), models.py, cli.py, demo.py.
-Placed on Ray: actors/ (the replicas), cluster/ (controller, placement, gateways, CLI).
+Placed on Ray: actors/ (the replicas), cluster/ (doors, the request path, control plane, placement, CLI).
 """
 
 __version__ = "0.1.0"

@@ -48,13 +48,14 @@ def _vllm_args(args) -> int:
 
     from pydantic import ValidationError
 
+    from vtoken.config import VTokenConfig
     from vtoken.vllm_adapter.engine import serve_args
 
     try:
         raw = json.loads(args.config)
         if not isinstance(raw, dict):
             raise ValueError(f"expected a JSON object of VTokenConfig fields, got {type(raw).__name__}")
-        flags = serve_args(raw)
+        flags = serve_args(VTokenConfig(**raw))  # '{}' is VTokenConfig's defaults (engine_kwargs reads {} as off)
     except ValidationError as e:
         why = "; ".join(
             ": ".join(filter(None, (".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, "))))

@@ -3,7 +3,7 @@
 vLLM hashes the blocks of its prefix cache with a seed drawn per process, so nobody outside an engine can recompute
 its hashes. Placement needs to compare what a replica holds with what a request's prompt would read, so the replica
 translates each block vLLM announces (actors/prefix_tracker.py) into this chain, and the gateway computes the same
-chain for every prompt (cluster/requests.py), as llm-d's prefix-aware router does with its own hash::
+chain for every prompt (cluster/serving/requests.py), as llm-d's prefix-aware router does with its own hash::
 
     h_{-1} = 0
     h_i    = blake2b(h_{i-1} as 8 bytes big-endian + block i's token ids as int32 little-endian, digest_size=8)

@@ -1,5 +1,5 @@
-"""The fleet's event loop: arrivals placed by ``cluster/placement.py``, replicas stepping, reports, the
-``cluster/autoscaler.py`` Autoscaler deciding the replica count. The strategy and the autoscaler are the
+"""The fleet's event loop: arrivals placed by ``cluster/placement/strategies.py``, replicas stepping, reports, the
+``cluster/control/autoscaler.py`` Autoscaler deciding the replica count. The strategy and the autoscaler are the
 project's own objects (``make_strategy``, ``Autoscaler.decide``), called with ``ReplicaView``s as the
 controller builds them; nothing of them is copied here.
 
@@ -7,11 +7,11 @@ What the controller sees of a replica (its ``ReplicaView``) is its last report. 
 step (on the real cluster a report goes out whenever free blocks move by 5% of a small pool, which on the
 pools simulated here is nearly every step) and at least every ``report_interval_s`` during a decode run.
 A placed request's estimated blocks count as ``promised`` on its replica until a report shows it admitted, or
-it ends (``cluster/controller.py``: ``place``, ``report``, ``finished``).
+it ends (``cluster/control/controller.py``: ``place``, ``report``, ``finished``).
 
 With ``prefix_cache``, each replica keeps a prefix cache (``prefix_cache.py``) and each report applies its delta to
-the controller's ``cluster/prefix_index.py`` PrefixIndex of it, from which placement sees each replica's leading
-hit for the request it places; a conversation's next turn arrives its think time after the last one ended.
+the controller's ``cluster/placement/prefix_index.py`` PrefixIndex of it, from which placement sees each replica's
+leading hit for the request it places; a conversation's next turn arrives its think time after the last one ended.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from actors.report import prefix_capacity
-from cluster.autoscaler import Autoscaler
 from cluster.config import AutoscalingConfig
-from cluster.placement import ReplicaView, make_strategy
-from cluster.prefix_index import PrefixIndex
+from cluster.control.autoscaler import Autoscaler
+from cluster.placement.prefix_index import PrefixIndex
+from cluster.placement.strategies import ReplicaView, make_strategy
 from cluster.sim.calibration import Calibration
 from cluster.sim.oracle import SIM_STRATEGIES
 from cluster.sim.replica import Limits, Replica, Seq

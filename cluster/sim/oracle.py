@@ -2,15 +2,15 @@
 
 ``prefix_oracle`` sees every replica's prefix cache as it is at the moment of placement (``exact_prefix``: the fleet
 reads the simulated caches, not the controller's index of them) and sends each request to the longest hit, under
-the same balance guard as ``prefix`` (cluster/placement.py); without a hit worth it, or past the guard, it places as
-``weighted`` does. Its hit rate is what prefix-aware placement could reach on a workload with that guard.
+the same balance guard as ``prefix`` (cluster/placement/strategies.py); without a hit worth it, or past the guard, it
+places as ``weighted`` does. Its hit rate is what prefix-aware placement could reach on a workload with that guard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from cluster.placement import PlacementStrategy, Prefix
+from cluster.placement.strategies import PlacementStrategy, Prefix
 
 
 class PrefixOracle(Prefix):

@@ -5,7 +5,7 @@ recently freed first; so at most the pool's blocks are named at once, and a pref
 Modelled as an LRU of ``capacity`` (the pool's blocks) names: a request admitted reads its cached leading blocks
 (``match`` and ``touch``), its prompt's blocks are stored when its prefill ends, its answer's whole blocks when it
 ends. What the cache gained and lost since the last report is cut as a ``PrefixDelta``, which the simulated
-controller applies to the real ``cluster/prefix_index.py`` PrefixIndex, as a replica's report does.
+controller applies to the real ``cluster/placement/prefix_index.py`` PrefixIndex, as a replica's report does.
 
 Left out: blocks shared by running requests count once per request in the pool's accounting (the simulated
 replica holds a hit's blocks again), so the model errs towards fewer requests fitting, never more.

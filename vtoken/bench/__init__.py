@@ -35,6 +35,7 @@ BENCHMARKS = {
         "parity",
         "doorcost",
         "lmeval",
+        "frontier",
     )  # fmt: skip
 }
 
@@ -44,11 +45,17 @@ def add_cli(sub) -> None:
     bsub = p.add_subparsers(dest="bench", required=True)
     for name, mod in BENCHMARKS.items():
         m = importlib.import_module(mod)
-        bp = bsub.add_parser(name, help=m.__doc__.splitlines()[0])
+        bp = bsub.add_parser(name, help=summary(m.__doc__), description=summary(m.__doc__))
         bp.add_argument("--out", default="bench_out", help="folder for the results")
         bp.add_argument("--quick", action="store_true", help="small settings for a smoke test")
         m.add_args(bp)
         bp.set_defaults(func=lambda args, m=m, name=name: _run(m, name, args))
+
+
+def summary(doc: str) -> str:
+    """A docstring's first paragraph on one line: a benchmark's help and description, whole sentences (its first
+    line alone may stop mid-sentence)."""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def machine() -> dict:

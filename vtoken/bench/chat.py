@@ -243,7 +243,7 @@ def serve_config(args, name: str, replicas: int, vtoken: dict, kv_bytes: int, st
 def run(args) -> dict:
     import ray
 
-    from cluster.placer import SETTLE_S
+    from cluster.placement.placer import SETTLE_S
     from cluster.server import BackgroundServer, start_ray
 
     a = {**vars(args), **(QUICK if args.quick else {})}

@@ -237,7 +237,7 @@ def tables(result: dict) -> list[Table]:
                 "vs off",
             ],
             rows,
-            "Feasible: all requests running together, no preemption (paper: up to 2x vs naive). Peak blocks: the "
+            "Feasible: all requests running together, no preemption. Peak blocks: the "
             "most one request held at the largest feasible N (vToken's record; off has none).",
         )
     ]

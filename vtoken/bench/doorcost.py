@@ -160,6 +160,6 @@ def tables(result: dict) -> list[Table]:
             "process). c<N>.*: N streams at once (vLLM's client), ms. by round: the geometric mean of each round's "
             "ratio (the trees back to back) and its 95% interval (Student's t on the logarithms). Load average "
             f"{load['loadavg_before']:.2f} before, {load['loadavg_after']:.2f} after, {load['cpus']} CPUs. this: "
-            f"{t['subject']}; against: {a['subject']}.",
+            f"the tree the command ran in, at {t['commit']}; against: {a['commit']} (git show names each).",
         )
     ]

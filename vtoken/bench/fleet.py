@@ -1,7 +1,7 @@
 """Fleet simulation: placement strategies and the autoscaler at up to hundreds of replicas (no engine needed).
 
-A discrete-event simulator (``cluster/sim/``) drives the project's own ``cluster/placement.py`` strategies
-and ``cluster/autoscaler.py``; each replica is modelled from measurements of the real engine (step times,
+A discrete-event simulator (``cluster/sim/``) drives the project's own ``cluster/placement/strategies.py`` strategies
+and ``cluster/control/autoscaler.py``; each replica is modelled from measurements of the real engine (step times,
 blocks per forward from vToken's traces) in ``docs/results/fleet_calibration.json`` (``--calibrate`` remakes it
 on this machine, a few minutes). It reports:
 

@@ -50,8 +50,13 @@ def machine_free(text: str) -> str:
 
 
 def _command(result: dict) -> str:
-    """The command as run, less ``--out``: where it wrote its files says nothing about the result."""
+    """The command as run, less ``--out``: where it wrote its files says nothing about the result. A tree it ran
+    against (doorcost's ``--against``, a checkout on that machine) is named by the commit it recorded."""
     words = result["command"].split()
+    against = result.get("trees", {}).get("against", {}).get("commit")
+    words = [
+        f"<checkout of {against}>" if against and i and words[i - 1] == "--against" else w for i, w in enumerate(words)
+    ]
     return " ".join(w for i, w in enumerate(words) if w != "--out" and (i == 0 or words[i - 1] != "--out"))
 
 

@@ -404,6 +404,7 @@ def tables(result: dict) -> list[Table]:
     full = result["configs"].get("full KV", {"hits": 0, "n": 0, "accuracy": 0.0, "ci95": [0.0, 0.0]})
     agree = bool(full.get("agreement"))
     rows = [["full KV (off)", "-", "-", _acc(full), "-", "-", "-", "-", "-"] + ([_f1(full)] if agree else [])]
+    rows = rows if full["n"] else []  # a run without full KV (--no-full) has no row of it
     for name, r in result["configs"].items():
         if name == "full KV":
             continue
@@ -424,9 +425,12 @@ def tables(result: dict) -> list[Table]:
             "Naive-Evict makes the same decisions (its blocks from the same run's accounting). over bound <= 0: "
             "every forward within ceil((keep + chunk) / block_size) + 1 blocks. decode: eviction once the prompt "
             "is read; always: at every chunk boundary; park: the same with the parking tier; pressure: only when "
-            "the pool runs short.",
+            "the pool runs short (no bound: a request holds what the pool allows).",
         )
     ]
+    saturated = "The same prompts all at once into a small pool (saturation)"
+    if not rows:  # a saturation run alone (--no-full --modes=): its table is the only one, titled by the suite
+        out, saturated = [], f"{_title(result)}, all at once into a small pool (saturation)"
     if result.get("controls"):
         crows = [[n, _acc(r), _f1(r)] for n, r in result["controls"].items()]
         out.append(Table("Controls of the metric, scored against full KV's replies", ["control", "hits (95% CI)",
@@ -445,7 +449,9 @@ def tables(result: dict) -> list[Table]:
         cols = ["configuration", "hits (95% CI)", "mean F1 with full KV", "parted at (words, median)", "blocks peak",
                 "over bound", "preemptions", "queued", "most at once", "recalls", "tokens recalled",
                 "tokens back when room", "recall bytes / decoded token", "recall's share of the run"]  # fmt: skip
-        out.append(Table("The same prompts all at once into a small pool (saturation)", cols, srows,
+        out.append(Table(saturated, cols, srows,
+                         "over bound: blocks over ceil((keep + chunk) / block_size) + 1 at the worst forward; under "
+                         "evict: pressure the budget is a floor, not a bound, so more than 0 is expected. "
                          "queued: requests first scheduled after another request had finished; most at once: the "
                          "most requests between first scheduling and last token at one moment; recalls: choices among "
                          "live and parked tokens while decoding; tokens back when room: parked tokens returned "

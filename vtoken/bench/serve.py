@@ -80,7 +80,7 @@ def _engine(args) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def stock_server(args, folder: str, flags: list[str] = (), env: dict[str, str] | None = None) -> Iterator[str]:
-    """vLLM's own OpenAI server with the engine arguments every vToken replica gets (cluster/controller.py), and
+    """vLLM's own OpenAI server with the engine arguments every vToken replica gets (cluster/control/controller.py), and
     ``flags`` and ``env`` of its own (a tool parser, the Responses store)."""
     import httpx
 

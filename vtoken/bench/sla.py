@@ -61,8 +61,8 @@ def add_args(p) -> None:
         "--park-tokens",
         type=lambda v: v if v == "auto" else int(v),
         default="auto",
-        help="the parking tier of naive and vtoken: auto (the engine's default: on a CPU twice the pool's tokens), "
-        "a token count, or 0 (none)",
+        help="the parking tier of naive and vtoken: auto (the engine's default: on a CPU four times the pool's "
+        "tokens), a token count, or 0 (none)",
     )
 
 

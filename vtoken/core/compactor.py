@@ -32,6 +32,8 @@ may evict is vtoken/core/schedule.py's business; WHAT it does then depends on it
 Pressure mode (``evict: "pressure"``): the budget is a floor, not a target. A request keeps every token until the
 pool runs short; then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
 lowest-scored ones and never below its budget, and go on keeping the rest (vtoken/core/pressure.py, shedding.py).
+A request that chooses in a step (the question, or a recall) gives up its share of that step's shortfall in the
+same choice (its one compaction of the step).
 
 The compactor keeps the token table's life: decide (the policy, by phase), pack (``_compact``: the one
 kill-park-pack-restore of a request in a step, at most once a step) and plan (``plan_step``: one ``StepPlan`` for
@@ -330,24 +332,36 @@ class Compactor:
             with self.isolated(st.request_id):
                 self._sync(st, p.num_computed)
             fresh[st.request_id], st.stats = st.stats, None
+        joint: dict[str, dict] = {}  # pressure mode: requests that choose among live and parked tokens this step
         for p, st in work.running():
             with self.isolated(st.request_id):
                 stats = fresh[st.request_id]
-                if st.phase is Phase.CHOOSING:
-                    batch = self._choose_with_parked(st, stats)
-                elif recalls(st, stats):
-                    batch = self.recall.while_decoding(st, stats, p.num_output)
+                if st.phase is Phase.CHOOSING or recalls(st, stats):
+                    if st.schedule.eager:
+                        # A choice is the request's one compaction of the step, so it comes after the shed is
+                        # planned and gives up the request's share in the same choice; chosen first, the request
+                        # could not shed, and a running request's growth found no block (issue 58).
+                        joint[st.request_id] = stats
+                        continue
+                    batch = self._choose_now(st, p, stats)
                 elif st.phase is Phase.KEEPING:
                     continue  # pressure mode: keeps every token until the pool runs short
                 else:
                     batch = self._evict_by_policy(st, p, stats)
                 if batch is not None:
                     work.moves[st.request_id] = batch
-        if any(st.phase is Phase.KEEPING for _, st in work.running()):
+        if joint or any(st.phase is Phase.KEEPING for _, st in work.running()):
+            # a choice to come keeps the live count, so its blocks: its need counted now holds after it
             shortfall += sum(self.pressure.need(st, p.next_tokens) for p, st in work.running())
         if shortfall > 0:
-            for st, batch in self._shed(work.running(), fresh, shortfall):
+            for st, batch in self._shed(work.running(), fresh, shortfall, joint):
                 work.moves[st.request_id] = batch
+        for p, st in work.running():  # the choices the shed left whole
+            if st.request_id in joint and st.compacted_at != self.step:
+                with self.isolated(st.request_id):
+                    batch = self._choose_now(st, p, joint[st.request_id])
+                    if batch is not None:
+                        work.moves[st.request_id] = batch
         if shortfall <= 0 and not waiting and self.tier is not None and self.mode == "vtoken":
             for st, batch in self._reinflate(work.running(), watermark):
                 work.moves[st.request_id] = batch
@@ -426,11 +440,12 @@ class Compactor:
         park = self.tier is not None and bool(st.policy.needs)
         return self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
 
-    def _shed(self, todo, fresh, shortfall: int):
+    def _shed(self, todo, fresh, shortfall: int, joint: dict[str, dict]):
         """Pressure mode: requests still keeping every token give back what the shortfall needs, with the fewest
         tokens (vtoken/core/pressure.py finds who may, vtoken/core/shedding.py plans how much: the order and why),
         each its lowest-scored candidates and never below its budget; a request still reading its prompt parks
-        what it sheds. Yields (request, its moves)."""
+        what it sheds. A request in ``joint`` (request -> its statistics) chooses among live and parked tokens this
+        step: its choice keeps that many fewer live tokens, the losers parked. Yields (request, its moves)."""
         found = []
         for p, st in todo:
             with self.isolated(st.request_id):
@@ -447,9 +462,12 @@ class Compactor:
                 st.record.shed_tokens += int(count)
                 logger.debug("vtoken: request %s sheds %d tokens (the pool is %d blocks short)", st.request_id,
                              count, shortfall)  # fmt: skip
-                park = self.tier is not None and bool(st.policy.needs)
-                victims = np.sort(ranked[:count])
-                batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
+                if st.request_id in joint:
+                    batch = self._choose_now(st, p, joint[st.request_id], shed=int(count))
+                if st.compacted_at != self.step:  # not chosen (no parked statistics after all): its lowest-scored
+                    park = self.tier is not None and bool(st.policy.needs)
+                    victims = np.sort(ranked[:count])
+                    batch = self.evict(st, victims, step=0 if st.in_prefill else p.num_output, park=park)[0]
             if batch is not None:
                 yield st, batch
 
@@ -546,10 +564,17 @@ class Compactor:
         self.totals.tokens_moved += plan.num_moves
         return packed.moves, kept
 
-    def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None) -> MoveBatch | None:
+    def _choose_now(self, st: RequestState, p: Progress, stats, shed: int = 0) -> MoveBatch | None:
+        """A request's choice among live and parked tokens this step: with the question, or a recall."""
+        if st.phase is Phase.CHOOSING:
+            return self._choose_with_parked(st, stats, shed)
+        return self.recall.while_decoding(st, stats, p.num_output, shed)
+
+    def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None, shed: int = 0):
         """The decision of a ``choosing`` request: its live and parked tokens chosen by the last chunk's window
-        over both (``Recall.choose``), then back to reading, decoding or keeping."""
-        keep = st.table.num_live if st.schedule.eager else None  # pressure mode keeps as many as it holds
+        over both (``Recall.choose``), then back to reading, decoding or keeping. ``shed``: pressure mode's share
+        of a shortfall, given up in the same choice."""
+        keep = st.table.num_live - shed if st.schedule.eager else None  # pressure mode keeps as many as it holds
         batch = self.recall.choose(st, stats, keep, step=0)
         self._chosen(st)
         return batch

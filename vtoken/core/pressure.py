@@ -8,7 +8,9 @@ A request in pressure mode keeps every token until the pool runs short. Its shor
   + each running request's next forward, beyond the blocks it holds          (``need``)
 
 A shed judges a request's live tokens by the statistics of its latest forward; when a shed comes before fresh
-ones, by the latest it was sent, kept by logical token (``remember``, ``known_stats``). ``foresee`` asks the
+ones, by the latest it was sent, kept by logical token (``remember``, ``known_stats``). A request that chooses
+among live and parked tokens in the step (with its question, or a recall) is a candidate too: its choice gives up
+its share, the losers parked (``Compactor._shed``). ``foresee`` asks the
 worker to score decode windows only when the pool may run short soon, so keeping every token costs a decode step
 nothing while memory is plentiful.
 """
@@ -94,12 +96,14 @@ class Pressure:
         return sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
 
     def candidate(self, st: RequestState, p: Any, stats: dict[str, np.ndarray] | None, step: int) -> Candidate | None:
-        """What a request may shed now (``Candidate``), or None: only a request keeping every token, with
-        statistics to rank its tokens by, not compacted in this ``step`` already, at a point its schedule lets it
-        decide. ``p``: its Progress; ``stats``: this step's fresh statistics (None: the latest kept, ``known``)."""
-        if st.phase is not Phase.KEEPING or (st.policy.needs and stats is None and st.known is None):
+        """What a request may shed now (``Candidate``), or None: only a request keeping every token (or choosing
+        with its question, in pressure mode: its choice sheds too), with statistics to rank its tokens by, not
+        compacted in this ``step`` already, at a point its schedule lets it decide. ``p``: its Progress; ``stats``:
+        this step's fresh statistics (None: the latest kept, ``known``)."""
+        chooses = st.phase is Phase.CHOOSING and st.schedule.eager  # its choice sheds too (plan_step's ``joint``)
+        if not (st.phase is Phase.KEEPING or chooses) or (st.policy.needs and stats is None and st.known is None):
             return None
-        if st.compacted_at == step:  # it chose with the question this step, and came back to keeping
+        if st.compacted_at == step:  # compacted already this step (one compaction a step)
             return None
         at = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
         if at is None:

@@ -9,7 +9,8 @@ Parked tokens come back three ways (vtoken/core/park.py has the timeline):
                         among both (``choose``; the compactor then changes its phase)
     while decoding      recall: its window of recent decode queries, scored over live and parked keys, chooses
                         again (``while_decoding``); a decoding request keeps to its budget, a keeping one
-                        (pressure mode) as many tokens as it holds, so live winners swap with parked losers
+                        (pressure mode) as many tokens as it holds, less its share of the step's shortfall
+                        when the pool is short (the losers parked), so live winners swap with parked losers
     room again          re-inflation (pressure mode): when the pool has room beyond the watermark and nothing
                         waits, parked tokens come back, the best first across requests, into blocks taken from
                         the pool for them (``reinflation`` chooses, ``reinflate`` brings back)
@@ -158,12 +159,13 @@ class Recall:
             self.discard(st, np.arange(st.parked.size))
 
     # ---------------------------------------------------------------- choices among live and parked tokens
-    def while_decoding(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int) -> MoveBatch | None:
+    def while_decoding(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int, shed: int = 0):
         """Recall while decoding: the request's decode window scored over its live and parked keys (one softmax)
         chooses again among both. A decoding request keeps to its budget (the decision its decode step was due
-        anyway), a keeping one (pressure mode) as many tokens as it holds: parked winners swap with live losers,
-        so the live count, and the blocks, stay the same."""
-        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live
+        anyway), a keeping one (pressure mode) as many tokens as it holds, less ``shed`` (its share of a
+        shortfall, ``Compactor._shed``): parked winners swap with live losers, so the live count, and the blocks,
+        stay the same, or shrink by what the pool is short."""
+        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live - shed
         self.totals.recalls += 1
         return self.choose(st, stats, keep, step=num_output)
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 _EXACT = 256  # every integer up to this is exact in bf16, fp16 and fp32: the probe's codes stay below it
+FP8_EXACT = 8  # ... and up to this in fp8 (e5m2 has two mantissa bits: 9 is not exact)
 
 ViewFn = Callable[[torch.Tensor, int], list[torch.Tensor]]
 
@@ -111,43 +112,70 @@ def table_of(view_fn: ViewFn, block_size: int, head_size: int) -> np.ndarray:
     return torch.cat([v[0, :, 0, :] for v in view_fn(chunk, block_size)], dim=-1).numpy()
 
 
-def learn(write: Callable[..., None], block_size: int, head_size: int, dtype: torch.dtype) -> np.ndarray:
+def learn(
+    write: Callable[..., None],
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    store: torch.dtype | None = None,
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    exact: int = _EXACT,
+) -> np.ndarray:
     """The ``TableLayout.index`` of a backend, from its own cache write.
 
-    ``write(kv, key, value, slots)`` stores ``key`` and ``value`` [n, kv_heads, head_size] at global ``slots``
-    of ``kv`` [num_blocks, kv_heads, block_size, 2 * head_size] as the backend does. Three probes over two
-    blocks and two kv heads, each element coded by its token, its own index, or its (block, kv head) (K
-    positive, V negative, all exact in ``dtype``): chunk c must hold (block, head) ``divmod(c, 2)`` only, and
+    ``write(kv, key, value, slots)`` stores ``key`` and ``value`` [n, kv_heads, head_size] (of ``dtype``) at global
+    ``slots`` of ``kv`` [num_blocks, kv_heads, block_size, 2 * head_size] (of ``store``, default ``dtype``; an fp8
+    cache is uint8) as the backend does; ``read(kv)`` gives its elements back as numbers (default ``kv.float()``).
+    Probes over two blocks and two kv heads code each element by a digit of its token, of its own index, or its
+    (block, kv head) (K positive, V negative; codes 1..``exact``, each exact in the cache's format: one probe per
+    coordinate in 16- and 32-bit caches, three in fp8's): chunk c must hold (block, head) ``divmod(c, 2)`` only, and
     every chunk the same arrangement. Raises ValueError when the writes are not such a permutation."""
     bs, d = block_size, head_size
     if bs >= _EXACT or d >= _EXACT:
         raise ValueError(f"cannot probe a KV layout with block_size {bs} or head_size {d} >= {_EXACT}")
+    store = store or dtype
+    read = read or (lambda kv: kv.float())
     nb = heads = 2
     slots = torch.arange(nb * bs)
-    token = (slots % bs + 1)[:, None, None].expand(-1, heads, d)
-    elem = (torch.arange(d) + 1)[None, None, :].expand(nb * bs, heads, d)
-    where = (slots // bs * heads + 1)[:, None, None] + torch.arange(heads)[None, :, None].expand(-1, -1, d)
-    probes = []
-    for code in (token, elem, where):
-        kv = torch.zeros(nb, heads, bs, 2 * d, dtype=dtype)
-        code = code.to(dtype).contiguous()
+    token = (slots % bs)[:, None, None].expand(-1, heads, d)
+    elem = torch.arange(d)[None, None, :].expand(nb * bs, heads, d)
+    where = (slots // bs * heads)[:, None, None] + torch.arange(heads)[None, :, None].expand(-1, -1, d)
+
+    def probe(value: torch.Tensor) -> np.ndarray:  # value: codes 1..exact
+        kv = torch.zeros(nb, heads, bs, 2 * d, dtype=store)
+        code = value.to(dtype).contiguous()
         write(kv, code, -code, slots)
-        probes.append(kv.float().reshape(nb * heads, -1).round().long().numpy())
-    tok, el, chunks = probes
+        return read(kv).reshape(nb * heads, -1).round().long().numpy()
+
+    def decode(coord: torch.Tensor, size: int) -> np.ndarray:
+        """Each position's coordinate from its digits (0 where nothing was written), signed as K (+) or V (-)."""
+        digits, total, sign = 1, 0, None
+        while exact**digits < size:
+            digits += 1
+        for i in range(digits):
+            got = probe(coord // exact**i % exact + 1)
+            total = total + (np.abs(got) - 1) * exact**i
+            sign = np.sign(got) if sign is None else np.where(sign == np.sign(got), sign, 0)
+        return np.where(sign != 0, total + 1, 0) * sign
+
+    tok, el = decode(token, bs), decode(elem, d)
+    chunks = probe(where + 1)
     chunk = 2 * bs * d
     index = np.full((bs, 2 * d), -1, np.int64)
     first = (tok[0] != 0) & (el[0] != 0)
     pos = np.flatnonzero(first)
     t, e = np.abs(tok[0, pos]) - 1, np.abs(el[0, pos]) - 1
+    ok = bool((t < bs).all() and (e < d).all())
     col = np.where(tok[0, pos] > 0, e, d + e)
-    index[t, col] = pos
-    ok = first.all() and (index >= 0).all() and np.unique(index).size == chunk
+    if ok:
+        index[t, col] = pos
+    ok = ok and first.all() and (index >= 0).all() and np.unique(index).size == chunk
     ok = ok and all(np.array_equal(tok[c], tok[0]) and np.array_equal(el[c], el[0]) for c in range(1, nb * heads))
     ok = ok and bool((np.abs(chunks) == np.arange(1, nb * heads + 1)[:, None]).all())
     if not ok:
         raise ValueError(
             f"the backend's KV cache write is not a per-(block, kv head) permutation (block_size {bs}, "
-            f"head_size {d}, {dtype}): vToken cannot move its tokens"
+            f"head_size {d}, {dtype} into {store}): vToken cannot move its tokens"
         )
     return index
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from vtoken.core.planner import to_global_slots
+from vtoken.kv.kv_dtype import PLAIN, KvFormat
 from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout, table_of
 
 DECODE_WINDOW = 16  # queries kept per request (VTokenConfig.decode_window)
@@ -56,6 +57,7 @@ class QueryWindow:
         window: int = DECODE_WINDOW,
         dtype: torch.dtype | None = None,
         tp=None,
+        fmt: KvFormat = PLAIN,
     ) -> None:
         if window < 1:
             raise ValueError(f"the decode window needs at least one query, got {window}")
@@ -69,10 +71,13 @@ class QueryWindow:
             tp,
         )
         self.device = kv.device
+        self.fmt = fmt  # keys are read through it (an fp8 cache: as fp8 times the layer's k_scale)
+        if fmt.quantised and dtype is None:
+            raise ValueError("a query window over an fp8 KV cache needs the queries' dtype (the model's)")
         dtype = dtype or kv.dtype
         # Uninitialised: a slot is read only once a query was written there (``count``).
         self.q = torch.empty(rows, len(kv_caches), window, heads, head_size, dtype=dtype, device=self.device)
-        self._qtmp = torch.empty(rows, heads, head_size, dtype=kv.dtype, device=self.device)
+        self._qtmp = torch.empty(rows, heads, head_size, dtype=dtype if fmt.quantised else kv.dtype, device=self.device)
         self.pos = torch.zeros(rows, window, dtype=torch.long, device=self.device)
         self.count = np.zeros(rows, np.int64)  # queries written since the row's last decision (host side)
         self._layer = {t.data_ptr(): i for i, t in enumerate(kv_caches)}
@@ -163,7 +168,7 @@ class QueryWindow:
         total = torch.zeros(seq, dtype=torch.float32, device=self.device)
         for first in range(0, len(kv_caches), step):
             layers = range(first, min(first + step, len(kv_caches)))
-            k = torch.stack([kv_caches[i].view(-1)[positions] for i in layers]).float()  # [L, seq, kvh, D]
+            k = torch.stack([self.fmt.keys(kv_caches[i].view(-1)[positions], i) for i in layers])  # [L, seq, kvh, D]
             q = self.q[row, first : first + len(layers)].index_select(1, ring).float()  # [L, n, H, D]
             logits = torch.einsum("lqkgd,lskd->lqkgs", q.view(len(layers), n, kvh, g, self.head_size), k)
             logits.mul_(self.scale).masked_fill_(future[None, :, None, None, :], float("-inf"))
@@ -209,8 +214,8 @@ class QueryWindow:
         live_total = torch.zeros(seq, dtype=torch.float32, device=self.device)
         parked_total = torch.zeros(chosen.size, dtype=torch.float32, device=self.device)
         for layer, kv in enumerate(kv_caches):
-            k = kv.view(-1)[positions].float()  # [seq, kvh, D]
-            kp = tier.keys(layer, parked[chosen]).to(self.device).float()  # [c, kvh, D]
+            k = self.fmt.keys(kv.view(-1)[positions], layer)  # [seq, kvh, D]
+            kp = tier.keys(layer, parked[chosen]).to(self.device)  # [c, kvh, D]
             q = q_all[layer].view(n, kvh, g, self.head_size)
             live = torch.einsum("qkgd,skd->qkgs", q, k).mul_(self.scale)
             live.masked_fill_(future[:, None, None, :], float("-inf"))

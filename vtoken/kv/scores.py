@@ -53,6 +53,7 @@ import torch
 
 from vtoken.core.planner import to_global_slots
 from vtoken.core.policies import ATTN_HIST, ATTN_SUM
+from vtoken.kv.kv_dtype import PLAIN, KvFormat
 from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout
 
 _HIST_BITS = 64
@@ -101,12 +102,15 @@ class AttentionScorer:
 
     _CAUSAL_SLACK = 0  # keys up to p_q + slack are attended; tests plant 1 as a negative control
 
-    def __init__(self, num_slots: int, block_size: int, layout: Layout, device: torch.device, tp=None) -> None:
+    def __init__(
+        self, num_slots: int, block_size: int, layout: Layout, device: torch.device, tp=None, fmt: KvFormat = PLAIN
+    ) -> None:
         if not isinstance(layout, TableLayout) and (layout not in LAYOUTS or layout == "slots"):
             raise ValueError(f"unknown KV layout {layout!r}; known: cpu, flash")
         if num_slots % block_size:
             raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
         self.num_slots, self.block_size, self.layout = num_slots, block_size, layout
+        self.fmt = fmt  # an fp8 cache is read as fp8 (gathered, then widened to float32) times the layer's k_scale
         self.device = torch.device(device)
         self.tp = tp if tp is not None else _OneRank()
         # One trash slot past the end takes the statistics of padding keys, so folding needs no
@@ -168,6 +172,8 @@ class AttentionScorer:
         # made each of its ops two to three times slower. When every query of the forward is observed (a step of
         # decode rows) the layer's query itself is kept: nothing writes to it after its attention.
         q = query if self._plan.whole else torch.index_select(query, 0, self._plan.tok)
+        if self.fmt.quantised:  # q . (k8 * k_scale) * scale = q . k8 * (scale * k_scale): the fp8 K is read as stored
+            scale, kv_cache = scale * self.fmt.k_scale(kv_cache), self.fmt.view(kv_cache)
         self._seen.append((q, kv_cache, scale))
         self._heads = query.shape[1]
 

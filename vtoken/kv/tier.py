@@ -35,6 +35,7 @@ import torch
 from vtoken.core.move_batch import MoveBatch
 from vtoken.core.planner import to_global_slots
 from vtoken.core.policies import ATTN_HIST, ATTN_SUM
+from vtoken.kv.kv_dtype import PLAIN, KvFormat
 from vtoken.kv.kv_layout import LAYOUTS, Layout, TableLayout, table_of
 from vtoken.kv.scores import uniform_share
 
@@ -53,11 +54,13 @@ class KVTier:
         head_size: int,
         extra: Sequence[torch.Tensor] = (),
         tp=None,
+        fmt: KvFormat = PLAIN,
     ) -> None:
         self.capacity, self.bs, self.head_size, self.tp = int(capacity), block_size, head_size, tp
         table = layout if isinstance(layout, TableLayout) else TableLayout(table_of(LAYOUTS[layout], block_size,
                                                                                     head_size))  # fmt: skip
         self.table = table
+        self.fmt = fmt  # the tier keeps the pool's bytes (an fp8 cache's uint8); keys and values are read through it
         heads = kv_caches[0].shape[1]
         self.device = kv_caches[0].device
         self.cuda = self.device.type == "cuda"
@@ -147,8 +150,8 @@ class KVTier:
             return
         self.held[slots] = True
         page = torch.as_tensor(slots // self.PAGE, device=self.device)
-        for got, lo, hi in zip(layers, self.box_lo, self.box_hi):
-            k = got[..., : self.head_size].float()  # [n, kvh, D]
+        for layer, (got, lo, hi) in enumerate(zip(layers, self.box_lo, self.box_hi)):
+            k = self.fmt.keys(got[..., : self.head_size], layer)  # [n, kvh, D] float32
             lo.index_reduce_(0, page, k, "amin")
             hi.index_reduce_(0, page, k, "amax")
 
@@ -164,10 +167,10 @@ class KVTier:
             rows = torch.as_tensor(stale, device=self.device)
             page = torch.as_tensor(slots // self.PAGE, device=self.device)
             host = torch.as_tensor(slots)
-            for kv, lo, hi in zip(self.kv, self.box_lo, self.box_hi):
+            for layer, (kv, lo, hi) in enumerate(zip(self.kv, self.box_lo, self.box_hi)):
                 lo[rows], hi[rows] = float("inf"), float("-inf")
                 if slots.size:
-                    k = kv[host][..., : self.head_size].float().to(self.device)
+                    k = self.fmt.keys(kv[host][..., : self.head_size].to(self.device), layer)
                     lo.index_reduce_(0, page, k, "amin")
                     hi.index_reduce_(0, page, k, "amax")
             self.bytes_recalled += int(slots.size) * len(self.kv) * self.kv[0][0, :, : self.head_size].numel() * (
@@ -177,9 +180,9 @@ class KVTier:
         return [lo[idx] for lo in self.box_lo], [hi[idx] for hi in self.box_hi]
 
     def keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
-        """The parked keys of ``slots`` in ``layer``: [n, kv_heads, head_size] (on the host)."""
+        """The parked keys of ``slots`` in ``layer``: float32 [n, kv_heads, head_size] (on the host)."""
         self._land()
-        return self.kv[layer][torch.as_tensor(slots, dtype=torch.long)][..., : self.head_size]
+        return self.fmt.keys(self.kv[layer][torch.as_tensor(slots, dtype=torch.long)][..., : self.head_size], layer)
 
     def fetch(self, batch: MoveBatch) -> list[torch.Tensor]:
         """Tier slots ``batch.src``, copied out (before this step's parking may reuse them); on CUDA onto the device,
@@ -240,7 +243,8 @@ class KVTier:
                 start = end - n_q  # the window alone
             table = md.block_table[row].cpu().numpy()
             live = to_global_slots(np.arange(seq), table, self.bs)
-            kv_live = kv_cache.view(-1)[self._positions(kv_cache, live)]  # [seq, kvh, 2 * head_size]
+            kv_live = kv_cache.view(-1)[self._positions(kv_cache, live)]  # [seq, kvh, 2 * head_size], as stored
+            kv_live = self.fmt.kv(kv_live, layer, self.head_size)
             pos = torch.arange(seq - (end - start), seq, device=kv_cache.device)  # each query's physical position
             out, w = joint_attention(
                 query[start:end], kv_live, self._parked(layer, tier_slots, kv_cache.device, end - start,
@@ -258,7 +262,8 @@ class KVTier:
         idx = torch.as_tensor(tier_slots, dtype=torch.long)
         for i in range(0, idx.numel(), step):
             part = self.kv[layer][idx[i : i + step]]
-            yield part.pin_memory().to(device, non_blocking=True) if self.cuda else part
+            part = part.pin_memory().to(device, non_blocking=True) if self.cuda else part
+            yield self.fmt.kv(part, layer, self.head_size)
 
     def end(self, scorer) -> None:
         """The windows' statistics replace the live slots' (in ``scorer``'s per-slot tensors) and fill the

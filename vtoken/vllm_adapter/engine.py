@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from vtoken.config import CONFIG_KEY, VTokenConfig
+from vtoken.kv.kv_dtype import SUPPORTED as SUPPORTED_KV_DTYPES
 from vtoken.pool_report import PoolReport
 
 SCHEDULER = "vtoken.vllm_adapter.scheduler.VTokenScheduler"
@@ -34,12 +35,13 @@ REFUSED = {
         "async scheduling plans step k+1 before step k's KV exists; vToken needs sync steps",
     ),
     "pipeline_parallel_size": (lambda v: (v or 1) > 1, "pipeline parallelism is not supported with vToken"),
-    # vLLM's quantized KV caches (fp8 and the rest: uint8 storage read through per-layer k_scale / v_scale) fail
-    # while the worker learns the cache's layout (kv_layout.learn); refused here in one line instead (issue 58)
+    # fp8 caches (uint8 storage read through each layer's k_scale / v_scale) are moved as bytes and read through
+    # vtoken/kv/kv_dtype.py; the other quantized caches (int8 per token-head, nvfp4, ...) have scales per token or
+    # per block that a move would have to carry, so they are refused here in one line, not in the worker
     "kv_cache_dtype": (
-        lambda v: v not in (None, "auto", "float16", "bfloat16"),
-        "vToken reads and moves the KV cache in a float dtype; a quantized KV cache is not supported yet: leave "
-        "kv_cache_dtype at auto, or serve this engine with vtoken mode off",
+        lambda v: v not in SUPPORTED_KV_DTYPES,
+        f"vToken moves KV caches of dtype {', '.join(d for d in SUPPORTED_KV_DTYPES if d)}: use one of them, or "
+        "serve this engine with vtoken mode off",
     ),
     # Tensor parallelism is supported (tp.py): one scheduler decides, every rank moves its own heads' slice.
     # These split a request's TOKENS across ranks, or give every rank its own scheduler, which breaks that.

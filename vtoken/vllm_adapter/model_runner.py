@@ -18,6 +18,7 @@ import torch
 
 from vtoken.config import VTokenConfig
 from vtoken.core.policies import ATTN_SUM
+from vtoken.kv.kv_dtype import KvFormat
 from vtoken.kv.mover import Mover
 from vtoken.kv.mover_factory import make_mover
 from vtoken.kv.query_window import QueryWindow
@@ -65,24 +66,29 @@ class VTokenRunnerMixin:
         out = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         bs = spec.block_size
+        forward_context = self.compilation_config.static_forward_context
+        # An fp8 cache (kv_cache_dtype fp8*): uint8 storage that moves as bytes and is read through each layer's
+        # scales (vtoken/kv/kv_dtype.py); otherwise the model's dtype, read as it is.
+        fmt = KvFormat.of(self.cache_config.cache_dtype, self.kv_caches, list(forward_context.values()))
+        self.vt_kv_format = fmt
         if self.device.type == "cpu":  # the kernel vLLM picked here decides the layout (AMX packs bf16)
-            forward_context = self.compilation_config.static_forward_context
-            layout = learn_cpu_layout(forward_context, self.kv_caches[0].dtype, bs, spec.head_size)
+            layout = learn_cpu_layout(forward_context, self.kv_caches[0].dtype, bs, spec.head_size, fmt,
+                                      self.model_config.dtype)  # fmt: skip
         else:
             layout = "flash"
         self.vt_mover = make_mover(self.device, bs, layout)
-        forward_context = self.compilation_config.static_forward_context
         if self.vt_policy.needs or self.vt.collect_scores:
             num_slots = int(self.kv_caches[0].shape[0]) * bs
-            self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp)
+            self.vt_scorer = scores_mod.AttentionScorer(num_slots, bs, layout, self.device, self.vt_tp, fmt)
             park = tier_tokens(self.vt, self.vllm_config, kv_cache_config, self.device.type)  # = the scheduler's
             if park:
                 self.vt_tier = KVTier(park, self.kv_caches, layout, bs, spec.head_size, self.vt_scorer.extra_tensors,
-                                      self.vt_tp)  # fmt: skip
+                                      self.vt_tp, fmt)  # fmt: skip
             if self.vt_policy.window_scores or self.vt.collect_scores:  # snapkv, of the engine or of one request
                 heads = self.model_config.get_num_attention_heads(self.parallel_config)
                 self.vt_window = QueryWindow(self.max_num_reqs, self.kv_caches, layout, bs, heads, spec.head_size,
-                                             self.vt.decode_window, tp=self.vt_tp)  # fmt: skip
+                                             self.vt.decode_window, self.model_config.dtype if fmt.quantised else None,
+                                             tp=self.vt_tp, fmt=fmt)  # fmt: skip
             scores_mod.install(forward_context, scores_mod.Observers(self.vt_scorer, self.vt_tier, self.vt_window))
         # CUDA: bind the fused mover to the caches once (fixed addresses) and make each layer wait for its moves
         extra = self.vt_scorer.extra_tensors if self.vt_scorer else []

@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP front door: vLLM's own OpenAI app (its routes and serving classes: chat, completions,
 Responses, models, tokenize and detokenize, with vLLM's validation and error shapes), served by uvicorn in the
 `vtoken serve` process and event loop, next to gRPC. Every generation goes to the replicas through the remote engine
-client (cluster/remote_engine.py) and the one request path both doors share (cluster/dispatch.py: admission,
-placement, retries, aborts, metrics).
+client (cluster/serving/remote_engine.py) and the one request path both doors share (cluster/serving/dispatch.py:
+admission, placement, retries, aborts, metrics).
 
-What is vToken's own sits around vLLM's app (cluster/http_door.py: the bearer token, the body limit, the ``vtoken``
-extension, admission, client disconnects, statuses that survive streaming) and beside it: ``GET /health`` (503 while
-no replica takes requests, for load balancers) and ``GET /metrics`` (the cluster's Prometheus series) answer here, not
-in vLLM's app, whose versions know one engine.
+What is vToken's own sits around vLLM's app (cluster/doors/http_middleware.py: the bearer token, the body limit, the
+``vtoken`` extension, admission, client disconnects, statuses that survive streaming) and beside it: ``GET /health``
+(503 while no replica takes requests, for load balancers) and ``GET /metrics`` (the cluster's Prometheus series) answer
+here, not in vLLM's app, whose versions know one engine.
 
 The port is never shared (we bind it ourselves, without SO_REUSEPORT); another address than loopback needs TLS or
 ``allow_insecure_remote``; with ``auth_token_env`` every path but ``/health`` needs the same bearer token.
@@ -25,13 +25,13 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cluster.auth import auth_token
 from cluster.config import ServeConfig
-from cluster.dispatch import Dispatcher
-from cluster.frontend import Served
-from cluster.gateway import bind_socket
-from cluster.http_door import Door
-from cluster.metrics import CONTENT_TYPE
+from cluster.doors.auth import auth_token
+from cluster.doors.http_middleware import Door
+from cluster.doors.sockets import bind_socket
+from cluster.serving.dispatch import Dispatcher
+from cluster.serving.frontend import Served
+from cluster.serving.metrics import CONTENT_TYPE
 
 log = logging.getLogger("vtoken.http")
 

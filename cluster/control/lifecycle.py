@@ -1,16 +1,16 @@
 """The replica lifecycle: create, start, probe, restart, drain, and the one place a replica's status changes.
 
-``ReplicaLifecycle`` is the controller's half that owns the Ray actors; the controller (cluster/controller.py)
-adds placement, promises, reports and scaling on top. Every status change goes through ``_transition``,
-which checks it against ``replica_status.TRANSITIONS``, voids the replica's promises whenever it does not
-serve afterwards (a promise counts blocks against a replica only placement can pick), keeps the death and
-recovery times, and logs the change with its reason.
+``ReplicaLifecycle`` owns the Ray actors; the controller (cluster/control/controller.py) holds one and keeps
+placement, promises, reports and scaling itself. Every status change goes through ``transition``, which checks it
+against ``replica_status.TRANSITIONS``, tells the controller whenever the replica does not serve afterwards
+(``on_stop``: it voids the replica's promises, since a promise counts blocks against a replica only placement can
+pick, and forgets its prefix cache), keeps the death and recovery times, and logs the change with its reason.
 
 Replicas are **detached** Ray actors, named ``<name>-replica-<n>`` in the service's namespace. An actor that is
 not detached shares its owner's fate: when the controller that created them died (its node lost), Ray killed
 every replica with it, healthy ones on healthy nodes included, and nothing served until a person restarted
 everything. Detached, a replica outlives its controller and keeps serving; the controller (restarted by Ray,
-cluster/server.py) finds the live replicas by name and rebuilds its view from their reports (``_recover``).
+cluster/server.py) finds the live replicas by name and rebuilds its view from their reports (``recover``).
 The other way, replicas owned by the `vtoken serve` process, would need that process to create every replica
 the controller asks for (scale-out, replacements) over a channel of its own; naming them is what Ray Serve does
 for its replicas too. What detached actors cost, nothing cleaning them up by itself, is paid here: the
@@ -22,10 +22,12 @@ for good stops itself (actors/replica.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +36,11 @@ import ray
 from actors.engines import EngineFactory
 from actors.replica import Replica
 from actors.report import ReplicaReport, unreported
-from cluster.config import ServeConfig
-from cluster.frontend import engine_args
-from cluster.replica_status import ReplicaStatus, check_transition
+from cluster.config import ServeConfig, engine_args
+from cluster.control.replica_status import ReplicaStatus, check_transition
 
 log = logging.getLogger("vtoken.controller")
 QUIET_KEYS = ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE")
-S = ReplicaStatus
 
 
 def replica_prefix(name: str) -> str:
@@ -74,7 +74,7 @@ def engine_factory(cfg: ServeConfig) -> EngineFactory:
                 "reclaim_fraction": e.fake_reclaim_fraction,
             },
         )
-    # The same arguments build the gateway's config (cluster/frontend.py): what it validates is what replicas run.
+    # The same arguments build the gateway's config (cluster/serving/frontend.py): it validates what replicas run.
     return EngineFactory("vllm", {"model": cfg.model, "vtoken": cfg.vtoken, "engine_args": engine_args(cfg)})
 
 
@@ -89,11 +89,11 @@ def start_error(e: BaseException) -> str:
 
 @dataclass
 class ReplicaState:
-    """One replica as the controller knows it. ``state`` changes only in ``ReplicaLifecycle._transition``."""
+    """One replica as the controller knows it. ``state`` changes only in ``ReplicaLifecycle.transition``."""
 
     name: str
     handle: Any
-    state: ReplicaStatus = S.STARTING
+    state: ReplicaStatus = ReplicaStatus.STARTING
     report: ReplicaReport = field(default_factory=unreported)
     reported_at: float = 0.0
     died_at: float | None = None  # when it (or the replica it replaces) stopped serving; None while serving
@@ -110,54 +110,52 @@ class ReplicaState:
 
 
 class ReplicaLifecycle:
-    """The replicas' actors and statuses. The controller inherits it and provides ``cfg``, ``factory``,
-    ``replicas`` (name -> ReplicaState, a replica leaves it only through ``_remove``), ``seq``, ``recoveries``,
-    ``_void_promises(name)`` and ``_drop_prefix(name)``."""
+    """The replicas' actors and statuses, held by the controller. ``replicas`` is the controller's own dict (name ->
+    ReplicaState), which only this class adds to and removes from (``remove``); ``on_stop(name)`` is called whenever
+    a replica stops serving or is removed, for what the controller keeps about it (its promises, its prefix cache).
+    ``seq`` numbers the replicas created (never reused by one controller); ``recoveries``: the last seconds from a
+    death to serving again. ``cfg`` is read for the service's name, ``replica`` and ``placement.dead_after_s``."""
 
-    cfg: ServeConfig
-    factory: EngineFactory
-    replicas: dict[str, ReplicaState]
-    seq: int
-    recoveries: Any  # deque of seconds from a death to serving again
-
-    def _void_promises(self, name: str) -> None:
-        raise NotImplementedError
-
-    def _drop_prefix(self, name: str) -> None:
-        """Forget what the replica's prefix cache held (a replica that stops serving, or is removed)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        factory: EngineFactory,
+        replicas: dict[str, ReplicaState],
+        on_stop: Callable[[str], None],
+    ):
+        self.cfg, self.factory, self.replicas, self.on_stop = cfg, factory, replicas, on_stop
+        self.seq = 0
+        self.recoveries: collections.deque[float] = collections.deque(maxlen=100)
 
     # ------------------------------------------------------------------ status
-    def _transition(self, st: ReplicaState, to: ReplicaStatus, why: str) -> None:
+    def transition(self, st: ReplicaState, to: ReplicaStatus, why: str) -> None:
         """The only place a replica's status changes: checked against the table, promises voided on every
         path that ends outside serving, death and recovery times kept, logged."""
         frm = ReplicaStatus(st.state)
         check_transition(st.name, frm, to, why)
         st.state = to
         if not to.serving():
-            self._void_promises(st.name)
-            self._drop_prefix(st.name)
+            self.on_stop(st.name)
         now = time.monotonic()
-        if to is S.DEAD:
+        if to is ReplicaStatus.DEAD:
             st.died_at = st.died_at or now
         extra = ""
-        if to is S.HEALTHY and st.died_at is not None:
+        if to is ReplicaStatus.HEALTHY and st.died_at is not None:
             self.recoveries.append(now - st.died_at)
             st.died_at, extra = None, f", serving again {self.recoveries[-1]:.1f}s after its death"
-        level = {S.FAILED: logging.ERROR, S.DEAD: logging.WARNING}.get(to, logging.INFO)
+        level = {ReplicaStatus.FAILED: logging.ERROR, ReplicaStatus.DEAD: logging.WARNING}.get(to, logging.INFO)
         log.log(level, "replica %s: %s -> %s: %s%s", st.name, frm, to, why, extra)
 
-    def _count(self, *states: ReplicaStatus) -> int:
+    def count(self, *states: ReplicaStatus) -> int:
         return sum(st.state in states for st in self.replicas.values())
 
-    def _remove(self, st: ReplicaState, why: str) -> None:
+    def remove(self, st: ReplicaState, why: str) -> None:
         self.replicas.pop(st.name, None)
-        self._void_promises(st.name)
-        self._drop_prefix(st.name)
+        self.on_stop(st.name)
         log.info("replica %s removed: %s", st.name, why)
 
     # ------------------------------------------------------------------ create, start, restart, drain
-    def _create(self, died_at: float | None = None) -> None:
+    def create(self, died_at: float | None = None) -> None:
         self.seq += 1
         name = f"{replica_prefix(self.cfg.name)}{self.seq}"
         r = self.cfg.replica
@@ -190,7 +188,7 @@ class ReplicaLifecycle:
         st.task = asyncio.ensure_future(self._start_replica(st))
         log.info("replica %s created", name)
 
-    def _adopt(self, name: str, why: str) -> bool:
+    def adopt(self, name: str, why: str) -> bool:
         """Take over the live replica ``name`` that another incarnation of this controller created (a restart);
         False when it is gone. It starts as ``starting`` and serves again at its first healthy report (``start``
         is idempotent: for a replica already serving it returns at once and its reports carry on)."""
@@ -208,9 +206,9 @@ class ReplicaLifecycle:
         log.info("replica %s taken over: %s", name, why)
         return True
 
-    def _recover(self) -> int:
+    def recover(self) -> int:
         """After a restart: every live replica of this service, found by name, taken over. Returns how many."""
-        return sum(self._adopt(n, "alive after a controller restart") for n in replica_names(self.cfg.name))
+        return sum(self.adopt(n, "alive after a controller restart") for n in replica_names(self.cfg.name))
 
     def _free_cores(self) -> str | None:
         """The lowest cores no live replica is bound to, ``max(1, num_cpus)`` of them ("2-3"); None when
@@ -218,7 +216,7 @@ class ReplicaLifecycle:
         n = max(1, int(self.cfg.replica.num_cpus))
         used = set()
         for st in self.replicas.values():
-            if st.cores and st.state is not S.DEAD:
+            if st.cores and st.state is not ReplicaStatus.DEAD:
                 a, _, b = st.cores.partition("-")
                 used.update(range(int(a), int(b or a) + 1))
         total = os.cpu_count() or 1
@@ -243,13 +241,13 @@ class ReplicaLifecycle:
             except ray.exceptions.RayActorError as e:
                 log.warning("replica %s is gone for good (%s); replacing it", st.name, e)
                 ray.kill(st.handle, no_restart=True)
-                self._remove(st, "replaced")
-                self._create(died_at=st.died_at or time.monotonic())
+                self.remove(st, "replaced")
+                self.create(died_at=st.died_at or time.monotonic())
                 return
             except Exception as e:  # the engine itself failed to start (bad model, too small a pool)
                 st.error = start_error(e)
-                if st.state is not S.DRAINING:  # a replica being drained is on its way out anyway
-                    self._transition(st, S.FAILED, f"its engine failed to start: {st.error}")
+                if st.state is not ReplicaStatus.DRAINING:  # a replica being drained is on its way out anyway
+                    self.transition(st, ReplicaStatus.FAILED, f"its engine failed to start: {st.error}")
                 return
 
     def _restart_process(self, st: ReplicaState) -> None:
@@ -261,9 +259,9 @@ class ReplicaLifecycle:
             st.task.cancel()  # a start that may take the dying process for a started one
         st.task = asyncio.ensure_future(self._start_replica(st, dead=st.report.incarnation))
 
-    async def _drain(self, st: ReplicaState, timeout_s: float = 60, why: str = "scale-in") -> ReplicaReport | None:
-        if st.state is not S.DRAINING:  # shutdown drains a replica that scale-in is draining already
-            self._transition(st, S.DRAINING, why)
+    async def drain(self, st: ReplicaState, timeout_s: float = 60, why: str = "scale-in") -> ReplicaReport | None:
+        if st.state is not ReplicaStatus.DRAINING:  # shutdown drains a replica that scale-in is draining already
+            self.transition(st, ReplicaStatus.DRAINING, why)
         final = None
         try:
             final = await asyncio.wait_for(st.handle.drain.remote(timeout_s), timeout_s + 10)
@@ -271,33 +269,35 @@ class ReplicaLifecycle:
         except Exception as e:  # a dead replica has nothing to drain
             log.warning("replica %s: drain failed: %s", st.name, e)
         ray.kill(st.handle, no_restart=True)
-        self._remove(st, "drained")
+        self.remove(st, "drained")
         return final
 
     # ------------------------------------------------------------------ health
-    def _on_health(self, st: ReplicaState, r: ReplicaReport) -> None:
+    def on_health(self, st: ReplicaState, r: ReplicaReport) -> None:
         """A report's part in the replica's status (the caller has checked ``st.state.takes_reports()``)."""
-        if st.state in (S.STARTING, S.DEAD) and r.healthy:
-            self._transition(st, S.HEALTHY, "reported healthy")
-        elif not r.healthy and st.state in (S.HEALTHY, S.DEAD) and st.restarted != r.incarnation:
+        if st.state in (ReplicaStatus.STARTING, ReplicaStatus.DEAD) and r.healthy:
+            self.transition(st, ReplicaStatus.HEALTHY, "reported healthy")
+        elif (
+            not r.healthy and st.state in (ReplicaStatus.HEALTHY, ReplicaStatus.DEAD) and st.restarted != r.incarnation
+        ):
             # The process is alive but its engine died (it may have been marked dead already for reports
             # that stopped while its engine went down): restart the process, once per incarnation.
-            self._transition(st, S.DEAD, f"not serving ({r.error or 'no engine'}); restarting its process")
+            self.transition(st, ReplicaStatus.DEAD, f"not serving ({r.error or 'no engine'}); restarting its process")
             st.restarted = r.incarnation
             self._restart_process(st)
 
     async def mark_failed(self, name: str, why: str = "call failed") -> None:
         st = self.replicas.get(name)
-        if st is not None and st.state in (S.HEALTHY, S.STARTING):
-            self._transition(st, S.DEAD, why)
+        if st is not None and st.state in (ReplicaStatus.HEALTHY, ReplicaStatus.STARTING):
+            self.transition(st, ReplicaStatus.DEAD, why)
             if st.task is None or st.task.done():
                 st.task = asyncio.ensure_future(self._start_replica(st))
 
-    def _probe_silent(self, now: float) -> None:
+    def probe_silent(self, now: float) -> None:
         """Probe every serving replica with no report nor ping answer for ``dead_after_s``."""
         for st in list(self.replicas.values()):
             quiet = now - max(st.reported_at, st.alive_at)
-            if st.state is S.HEALTHY and quiet > self.cfg.placement.dead_after_s:
+            if st.state is ReplicaStatus.HEALTHY and quiet > self.cfg.placement.dead_after_s:
                 if st.probe is None or st.probe.done():
                     st.probe = asyncio.ensure_future(self._probe(st, now - st.reported_at))
 

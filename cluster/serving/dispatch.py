@@ -1,13 +1,13 @@
-"""The request path both front doors share, gRPC (cluster/gateway.py) and OpenAI-compatible HTTP
-(cluster/http_gateway.py): admission, placement by the controller, the stream from a replica, retries,
+"""The request path both front doors share, gRPC (cluster/doors/grpc_server.py) and OpenAI-compatible HTTP
+(cluster/doors/http_server.py): admission, placement by the controller, the stream from a replica, retries,
 aborts, and the per-request metrics. A door admits a request (``admit``), vLLM's serving layer renders it and the
-remote engine client (cluster/remote_engine.py) turns it into a ``ValidRequest``, iterates ``Dispatcher.stream``
+remote engine client (cluster/serving/remote_engine.py) turns it into a ``ValidRequest``, iterates ``Dispatcher.stream``
 and maps a ``Refused``'s code to vLLM's errors; so a request is admitted, placed, retried, aborted and counted the
 same way whichever door it came in by.
 
 A request's path: admission at the door (bounded: ``max_inflight`` over both doors, else resource_exhausted; the
 bound covers rendering too) -> placement (``n`` x the request's peak blocks) from the gateway's copy of the
-controller's views (cluster/placer.py), or by the controller -> the replica's
+controller's views (cluster/placement/placer.py), or by the controller -> the replica's
 chunks, through the token channel (actors/token_channel.py; a Ray streaming call with
 ``gateway.token_channel: ray``). A replica that dies before the first token: the
 request is placed again elsewhere (``max_attempts``); after it: unavailable. A deadline, or a client that goes
@@ -27,10 +27,10 @@ import ray
 from actors.token_channel import ChannelStream, TokenChannel, Unreachable
 from actors.wire import Chunk, GenerateSpec, merge
 from cluster.config import ServeConfig
-from cluster.metrics import Metrics
-from cluster.placement import TooLarge
-from cluster.placer import Placer
-from cluster.requests import ValidRequest
+from cluster.placement.placer import Placer
+from cluster.placement.strategies import TooLarge
+from cluster.serving.metrics import Metrics
+from cluster.serving.requests import ValidRequest
 from vtoken.core.budget import peak_blocks
 
 log = logging.getLogger("vtoken.gateway")
@@ -85,7 +85,7 @@ class Dispatcher:
         self.cfg, self.g, self.controller = cfg, cfg.gateway, controller
         self.metrics = metrics or Metrics(cfg.model)
         self.inflight = 0
-        self.inflight_tokens = 0  # the work of the requests admitted (cluster/work.py)
+        self.inflight_tokens = 0  # the work of the requests admitted (cluster/serving/work.py)
         self.parsing = 0  # requests admitted and not yet rendered
         self._large: asyncio.Semaphore | None = None  # made in the event loop: large bodies rendering at once
         self._node = ray.util.get_node_ip_address() if ray.is_initialized() else ""
@@ -104,8 +104,8 @@ class Dispatcher:
     @contextlib.contextmanager
     def admit(self, door: str, work: int = 0):
         """One request admitted at ``door`` for as long as the block runs (rendering, placement, streaming), holding
-        ``work`` tokens (cluster/work.py); Refused("resource_exhausted") when ``max_inflight`` requests of both doors
-        are in already, or their work and this one's would pass ``max_inflight_tokens`` (a request alone is always
+        ``work`` tokens (cluster/serving/work.py); Refused("resource_exhausted") when ``max_inflight`` requests of both
+        doors are in already, or their work and this one's would pass ``max_inflight_tokens`` (a request alone is always
         admitted: its own ceilings are checked at the door)."""
         g = self.g
         if self.inflight >= g.max_inflight:
@@ -151,15 +151,16 @@ class Dispatcher:
             return RayStream(replica.generate.options(num_returns="streaming").remote(spec))
         return ChannelStream(self.channel, spec.request_id, lambda a: replica.generate_to.remote(spec, a, self._node))
 
-    async def stream(self, req: ValidRequest, rid: str, door: str) -> AsyncIterator[Delta]:
-        """The request's chunks as the replica streams them. ``rid`` is the gateway's own id for it: the
-        engine, the replica and the controller know the request by this id only (clients may reuse theirs).
-        Raises Refused; a door that stops iterating (its client went away) aborts the request. The door admitted
-        it (``admit``)."""
+    async def stream(self, req: ValidRequest, door: str) -> AsyncIterator[Delta]:
+        """The request's chunks as the replica streams them. ``req.request_id`` is the gateway's own id for it: the
+        engine, the replica and the controller know the request by this id only (clients may reuse theirs, kept as
+        ``req.client_id`` for logs). Raises Refused; a door that stops iterating (its client went away) aborts the
+        request. The door admitted it (``admit``)."""
+        rid = req.request_id
         timer = self.metrics.timer(door, len(req.prompt_token_ids))
         outcome = "cancelled"
         try:
-            async with contextlib.aclosing(self._serve(req, rid)) as deltas:
+            async with contextlib.aclosing(self._serve(req)) as deltas:
                 async for d in deltas:
                     timer.chunk(d.replica, d.chunk)
                     yield d
@@ -169,8 +170,8 @@ class Dispatcher:
             raise
         except Exception:  # a bug or a Ray failure: the traceback goes to the log, never to the client
             outcome = "internal"
-            log.exception("request %s (client id %r) failed", rid, req.request_id)
-            raise Refused("internal", internal_message(req.request_id, rid)) from None
+            log.exception("request %s (client id %r) failed", rid, req.client_id)
+            raise Refused("internal", internal_message(req.client_id, rid)) from None
         finally:
             late = self.placer.finished(rid) if self.placer is not None else ()
             self._tell("finished", rid, *late)  # release the promise whatever happened
@@ -182,7 +183,8 @@ class Dispatcher:
         with contextlib.suppress(ray.exceptions.RayError):
             getattr(self.controller, method).remote(*args)
 
-    async def _serve(self, req: ValidRequest, rid: str) -> AsyncIterator[Delta]:
+    async def _serve(self, req: ValidRequest) -> AsyncIterator[Delta]:
+        rid = req.request_id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.deadline_s if req.deadline_s is not None else None
         v = req.eviction.config if req.eviction else None
@@ -192,7 +194,7 @@ class Dispatcher:
         bounded = (v.budget, v.sink, v.recent, v.prefill_chunk, v.prefill_evict, bs if v.interval == "block" else
                    v.interval) if evicting else ()  # fmt: skip
         need = req.n * peak_blocks(len(req.prompt_token_ids), req.max_tokens, bs, *bounded)
-        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling(), req.engine_kwargs)
+        spec = GenerateSpec(rid, req.prompt_token_ids, req.spec_sampling(), req.max_tokens, req.n, req.engine_kwargs)
         tried: list[str] = []
         for _ in range(self.g.max_attempts):
             work = req.n * (len(req.prompt_token_ids) + req.max_tokens)
@@ -233,8 +235,8 @@ class Dispatcher:
                             log.info("request %s: %s before its first token; placing it again", rid, why)
                             break
                         if code == "internal":
-                            log.error("request %s (client id %r): %s", rid, req.request_id, why)
-                            why = internal_message(req.request_id, rid)
+                            log.error("request %s (client id %r): %s", rid, req.client_id, why)
+                            why = internal_message(req.client_id, rid)
                         elif code == "unavailable":
                             why = f"{why} after {streamed} chunks; retry the request"
                         raise Refused(code, why)
@@ -262,9 +264,9 @@ class Dispatcher:
     async def _place(
         self, rid: str, need: int, tried: list[str], deadline: float | None, tokens: int = 0, prefix: tuple = ()
     ):
-        """Place from the gateway's views (cluster/placer.py), else ask the controller until a replica is available
-        (a replica or the controller itself may be restarting), up to place_timeout_s: (name, handle), or None and
-        why none."""
+        """Place from the gateway's views (cluster/placement/placer.py), else ask the controller until a replica is
+        available (a replica or the controller itself may be restarting), up to place_timeout_s: (name, handle), or None
+        and why none."""
         placed = await self.placer.place(rid, need, tried, tokens, prefix) if self.placer is not None else None
         if placed is not None:
             return placed, ""

@@ -8,15 +8,15 @@ streaming. vLLM's serving layer trusts its one engine and its operator; a gatewa
     body       read whole before anything runs, refused past ``max_request_bytes`` (413) or ``body_timeout_s`` (408);
                a client gone mid-body is one INFO line (499, which nobody reads); the JSON must be JSON (NaN,
                Infinity and nesting Python cannot parse are a 400, never an engine's NaN or a 500)
-    vtoken     the request's own eviction options, popped from the body and checked once (cluster/requests.py),
+    vtoken     the request's own eviction options, popped from the body and checked once (cluster/serving/requests.py),
                carried to the engine client in ``remote_engine.CONTEXT``; vLLM's models never see the field
     template   ``chat_template_kwargs`` hold only variables the model's chat template reads (400 naming the key,
-               cluster/template_kwargs.py)
+               cluster/serving/template_kwargs.py)
     admission  every route that generates, renders or tokenizes is admitted over both doors from here to its end,
-               weighed by its work (cluster/work.py: ``n`` and ``max_request_tokens`` ceilings are a 400 naming the
-               field; ``max_inflight`` and ``max_inflight_tokens`` a 429)
+               weighed by its work (cluster/serving/work.py: ``n`` and ``max_request_tokens`` ceilings are a 400 naming
+               the field; ``max_inflight`` and ``max_inflight_tokens`` a 429)
     rendering  at most ``max_parse_pending`` requests render at once (503), each for at most ``parse_timeout_s``
-               (413); structured outputs are checked in worker processes (cluster/grammar_pool.py)
+               (413); structured outputs are checked in worker processes (cluster/serving/grammar_pool.py)
     first      a streamed answer's status is held until its first event: a refusal before any output (no replica,
                a deadline, a bad request the engine found) keeps its status as a JSON error, as Ray Serve's
                ingress peeks at its first chunk; vLLM's serving layer would send it as an event after a 200
@@ -36,12 +36,20 @@ from typing import Any
 
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
-from cluster.auth import bearer_ok
-from cluster.dispatch import Refused, internal_message
-from cluster.remote_engine import CONTEXT, RequestContext, vllm_error
-from cluster.requests import EXTENSION, BadRequest, Live, render_too_long, vtoken_options
-from cluster.template_kwargs import check_template_kwargs
-from cluster.work import RENDER, WorkTally, request_work
+from cluster.doors.auth import bearer_ok
+from cluster.serving.dispatch import Refused, internal_message
+from cluster.serving.remote_engine import vllm_error
+from cluster.serving.requests import (
+    CONTEXT,
+    EXTENSION,
+    BadRequest,
+    Live,
+    RequestContext,
+    render_too_long,
+    vtoken_options,
+)
+from cluster.serving.template_kwargs import check_template_kwargs
+from cluster.serving.work import RENDER, WorkTally, request_work
 
 log = logging.getLogger("vtoken.http")
 DOOR = "http"
@@ -52,7 +60,7 @@ GENERATE = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1
 # steered by `vtoken scale` and the controller, so they answer 404 here.
 NOT_SERVED = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep", "/kv_event_sources"})
 GONE_GRACE_S = 1.0  # how long vLLM's app may take to end a request whose client went away before it is cancelled
-# Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/http_gateway.py.
+# Paths the gateway answers itself, not vLLM's app (whose versions know one engine): cluster/doors/http_server.py.
 OWN = frozenset({"/health", "/metrics"})
 OWN_PREFIXES = ("/metrics/",)  # vLLM mounts its own metrics app under /metrics: only the exact path is served
 # Events a streamed answer sends before its engine's first output (Responses' created and in_progress): held with
@@ -152,7 +160,7 @@ class Door:
 
     async def _read(self, scope, receive, path: str) -> tuple[bytes, dict, RequestContext, int]:
         """The body (limited in size and time), with the ``vtoken`` extension taken out and checked, the chat
-        template's variables checked; the scope it is sent with, and the request's work (cluster/work.py)."""
+        template's variables checked; the scope it is sent with, and the request's work (cluster/serving/work.py)."""
         g = self.gw.g
         limit = g.max_request_bytes
         types = [v for k, v in scope.get("headers") or () if k == b"content-type"]

@@ -12,7 +12,7 @@ weighs requests by their cost rather than their count:
     admission  the requests in flight over both doors hold at most ``gateway.max_inflight_tokens`` of work (beyond,
                429; a request alone is always admitted). At the door the prompt's tokens are not known yet: the
                body's size bounds them (a token is at least one byte of its text, and a token id two bytes of JSON)
-    exact      once rendered (cluster/remote_engine.py), the request's prompts add up their real lengths against
+    exact      once rendered (cluster/serving/remote_engine.py), the request's prompts add up their real lengths against
                ``max_request_tokens`` (``WorkTally``), a 400 naming ``max_tokens`` past it
 
 Routes that only render or tokenize (``/tokenize``, ``/detokenize``, Anthropic's ``count_tokens``, the ``render``
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from cluster.requests import BadRequest
+from cluster.serving.requests import BadRequest
 
 # vLLM's routes that render or tokenize without generating: admitted like generation, weighed by their size
 RENDER = frozenset({"/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/messages/render",

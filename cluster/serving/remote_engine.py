@@ -36,9 +36,9 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from actors.wire import sampling_kwargs, to_output
 from cluster.config import ServeConfig
-from cluster.dispatch import Dispatcher, Refused, internal_message
-from cluster.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
-from cluster.requests import CONTEXT, EXTENSION, BadRequest, RequestContext, ValidRequest, vtoken_options
+from cluster.serving.dispatch import Dispatcher, Refused, internal_message
+from cluster.serving.grammar_pool import GrammarBusy, GrammarPool, GrammarTooLong
+from cluster.serving.requests import CONTEXT, EXTENSION, BadRequest, RequestContext, ValidRequest, vtoken_options
 from vtoken.prefix_hash import prefix_hashes
 
 log = logging.getLogger("vtoken.engine_client")
@@ -110,14 +110,14 @@ class RemoteEngineClient(EngineClient):
             raise GenerationError(internal_message(ctx.client_id, rid)) from e
 
     async def _generate(self, prompt, sampling_params, request_id: str, ctx: RequestContext, rid: str, kwargs: dict):
-        valid = await self._valid(prompt, sampling_params, request_id, ctx, kwargs)
+        valid = await self._valid(prompt, sampling_params, request_id, ctx, rid, kwargs)
         kind, merged = sampling_params.output_kind, None
         task = asyncio.current_task()
         if task is not None:
             self._running[request_id] = task
         text, ids = prompt.get("prompt"), valid.prompt_token_ids
         try:
-            async with contextlib.aclosing(self.dispatcher.stream(valid, rid, ctx.door)) as deltas:
+            async with contextlib.aclosing(self.dispatcher.stream(valid, ctx.door)) as deltas:
                 async for d in deltas:
                     if ctx.live is not None and ctx.live.stalled:
                         # As a disconnect ends it, but now: vLLM's stream would otherwise turn the whole backlog of
@@ -142,12 +142,12 @@ class RemoteEngineClient(EngineClient):
                 del self._running[request_id]
 
     async def _valid(
-        self, prompt: Any, params: Any, request_id: str, ctx: RequestContext, kwargs: dict
+        self, prompt: Any, params: Any, request_id: str, ctx: RequestContext, rid: str, kwargs: dict
     ) -> ValidRequest:
         """The rendered request as the dispatcher places it, checked by vLLM's own input processor first (what
         ``AsyncLLM.generate`` checks before a request enters the engine: sampling against the model, the
         structured-output grammar, the prompt's length), so a bad request is refused before any placement. The
-        grammar is checked in a worker process (cluster/grammar_pool.py), the rest here without it."""
+        grammar is checked in a worker process (cluster/serving/grammar_pool.py), the rest here without it."""
         if not isinstance(prompt, dict) or prompt.get("type") != "token":
             kind = prompt.get("type") if isinstance(prompt, dict) else type(prompt).__name__
             raise VLLMValidationError(f"vtoken serve takes text and token-id prompts, not {kind} prompts")
@@ -186,9 +186,14 @@ class RemoteEngineClient(EngineClient):
         if salt:
             engine["cache_salt"] = salt
         return ValidRequest(
-            request_id=ctx.client_id or request_id,
+            request_id=rid,
+            client_id=ctx.client_id or request_id,
             prompt_token_ids=ids,
             sampling=sampling,
+            # vLLM's serving layer always sets max_tokens; one it left unset (None: up to the context) is counted
+            # as SamplingParams' default, 16, as it always was here
+            max_tokens=16 if params.max_tokens is None else params.max_tokens,
+            n=params.n,
             deadline_s=ctx.deadline_s,
             eviction=ctx.eviction or self.served,
             prefix_hashes=() if salt else prefix_hashes(ids, self.cfg.engine.block_size),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cluster.replica_status import ReplicaStatus
-from cluster.snapshot import ClusterSnapshot
+from cluster.control.replica_status import ReplicaStatus
+from cluster.control.snapshot import ClusterSnapshot
 
 # Status field -> PoolReport field (promised_blocks is the controller's own).
 POOL_FIELDS = {

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-from cluster.snapshot import ClusterSnapshot
+from cluster.control.snapshot import ClusterSnapshot
 
 log = logging.getLogger("vtoken.gateway")
 MIN_INTERVAL_S = 0.25  # at most four updates a second per watcher

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.config import AutoscalingConfig
-from cluster.placement import ReplicaView
+from cluster.placement.strategies import ReplicaView
 
 
 class Decision(NamedTuple):

@@ -24,7 +24,7 @@ from vllm.v1.metrics.buckets import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS
 from vllm.v1.metrics.buckets import TIME_TO_FIRST_TOKEN_BUCKETS as TTFT_BUCKETS
 
 from actors.wire import Chunk
-from cluster.snapshot import ClusterSnapshot
+from cluster.control.snapshot import ClusterSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -35,15 +35,18 @@ class ReplicaStatus(enum.StrEnum):
         return self is not ReplicaStatus.DRAINING
 
 
-S = ReplicaStatus
 # Every transition the controller makes, and no other. DEAD -> DEAD: an engine that dies again (a replica
 # already marked dead for silence whose engine reports itself down), restarted once more.
 TRANSITIONS: dict[ReplicaStatus, frozenset[ReplicaStatus]] = {
-    S.STARTING: frozenset({S.HEALTHY, S.DEAD, S.FAILED, S.DRAINING}),
-    S.HEALTHY: frozenset({S.DEAD, S.FAILED, S.DRAINING}),
-    S.DEAD: frozenset({S.HEALTHY, S.DEAD, S.FAILED, S.DRAINING}),
-    S.FAILED: frozenset({S.DRAINING}),
-    S.DRAINING: frozenset(),  # removed once drained
+    ReplicaStatus.STARTING: frozenset(
+        {ReplicaStatus.HEALTHY, ReplicaStatus.DEAD, ReplicaStatus.FAILED, ReplicaStatus.DRAINING}
+    ),
+    ReplicaStatus.HEALTHY: frozenset({ReplicaStatus.DEAD, ReplicaStatus.FAILED, ReplicaStatus.DRAINING}),
+    ReplicaStatus.DEAD: frozenset(
+        {ReplicaStatus.HEALTHY, ReplicaStatus.DEAD, ReplicaStatus.FAILED, ReplicaStatus.DRAINING}
+    ),
+    ReplicaStatus.FAILED: frozenset({ReplicaStatus.DRAINING}),
+    ReplicaStatus.DRAINING: frozenset(),  # removed once drained
 }
 
 

@@ -1,20 +1,20 @@
 """Controller: a Ray actor that owns the replicas, aggregates their reports and keeps the account of placements.
 
-Replica statuses and their transitions: cluster/replica_status.py; creating, starting, probing, restarting and
-draining replicas: cluster/lifecycle.py (``ReplicaLifecycle``, which this class extends). Here: reports,
-promises, placement and scaling, and the one snapshot (cluster/snapshot.py) that status, ``/metrics``, the
-capacity stream, placement and the autoscaler all read.
+Replica statuses and their transitions: cluster/control/replica_status.py; creating, starting, probing, restarting and
+draining replicas: cluster/control/lifecycle.py (``ReplicaLifecycle``, which this class holds as ``lifecycle``). Here:
+reports, promises, placement and scaling, and the one snapshot (cluster/control/snapshot.py) that status, ``/metrics``,
+the capacity stream, placement and the autoscaler all read.
 Promises: a request placed on a replica counts its estimated blocks against it until a report of that replica
 lists it as admitted (that report's ``free_blocks`` counts its blocks) or until the request ends, whichever
 is first. Dropping it at the first token instead would count its blocks twice while they are allocated but
 unreported (prefill), or not at all when the report is older than the admission. A replica that stops serving
-loses its promises (``ReplicaLifecycle._transition``). A gateway places most requests itself from the views it asks
-for (``placement_state``; cluster/placer.py) and tells each placement here (``promise``); this controller places
-the rest (``place``).
+loses its promises (``ReplicaLifecycle.transition`` calls ``_forget``). A gateway places most requests itself from the
+views it asks for (``placement_state``; cluster/placement/placer.py) and tells each placement here (``promise``); this
+controller places the rest (``place``).
 
 A controller that dies is restarted by Ray (``max_restarts``, on the node of `vtoken serve`: cluster/server.py)
 under the same actor id, so the gateway's and the replicas' handles keep working. The new incarnation knows
-nothing: at its first call it takes over every live replica of the service by name (``_recover``), and from
+nothing: at its first call it takes over every live replica of the service by name (``lifecycle.recover``), and from
 their reports (the next within a second) it knows again which serve, how full they are and where they run.
 Meanwhile the replicas keep serving what they have; new requests wait for placement (the gateway retries for
 ``gateway.place_timeout_s``). Promises and counters start again from zero; the target replica count becomes the
@@ -33,18 +33,17 @@ from typing import Any, NamedTuple
 import ray
 
 from actors.report import ReplicaReport, prefix_capacity
-from cluster.autoscaler import Autoscaler, request_cluster_resources
 from cluster.config import ServeConfig
-from cluster.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
-from cluster.placement import ReplicaView, check_fits, make_strategy
-from cluster.placer import PlacementState
-from cluster.prefix_index import PrefixIndex, with_prefix
-from cluster.replica_status import ReplicaStatus
-from cluster.snapshot import ClusterSnapshot, replica_views, take_snapshot
+from cluster.control.autoscaler import Autoscaler, request_cluster_resources
+from cluster.control.lifecycle import ReplicaLifecycle, ReplicaState, engine_factory, replica_env, replica_prefix
+from cluster.control.replica_status import ReplicaStatus
+from cluster.control.snapshot import ClusterSnapshot, replica_views, take_snapshot
+from cluster.placement.placer import PlacementState
+from cluster.placement.prefix_index import PrefixIndex, with_prefix
+from cluster.placement.strategies import ReplicaView, check_fits, make_strategy
 
 log = logging.getLogger("vtoken.controller")
 __all__ = ["Controller", "Promise", "ReplicaState", "replica_env"]
-S = ReplicaStatus
 ADOPT_WINDOW_S = 120.0  # after a restart, a report from a replica not taken over yet takes it over this long
 SETTLED = 4096  # request ids kept as admitted or ended, for promises that arrive after
 GATEWAYS = 64  # gateways whose last promise is kept
@@ -60,14 +59,19 @@ class Promise(NamedTuple):
     tokens: int = 0
 
 
-class Controller(ReplicaLifecycle):
+class Controller:
+    """The Ray actor that owns the replicas (through ``lifecycle``), takes their reports, keeps the promises and
+    places and scales. ``replicas`` (name -> ReplicaState) is shared with ``lifecycle``, which alone adds and
+    removes replicas and changes their status."""
+
     def __init__(self, cfg: dict[str, Any], local: bool = True):
         self.cfg = ServeConfig(**cfg)
-        self.local, self.factory = local, engine_factory(self.cfg)
+        self.local = local
         self.strategy = make_strategy(self.cfg.placement.strategy)
         self.autoscaler = Autoscaler(self.cfg.autoscaling)
         self.replicas: dict[str, ReplicaState] = {}
-        self.target, self.seq = self.cfg.replicas, 0
+        self.lifecycle = ReplicaLifecycle(self.cfg, engine_factory(self.cfg), self.replicas, self._forget)
+        self.target = self.cfg.replicas
         # Every structure here is bounded however long the deployment runs: promises end with their request,
         # with a report that counts them, with their replica, or after promise_ttl_s (a request whose end the
         # controller never heard of: a gateway gone, a lost message); the rest keep the last few entries.
@@ -84,7 +88,6 @@ class Controller(ReplicaLifecycle):
         # second; scaling decisions by (direction, trigger), four keys at most.
         self.placements: collections.Counter[tuple[str, str]] = collections.Counter()
         self.decision_counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.recoveries: collections.deque[float] = collections.deque(maxlen=100)
         self._tasks: set[asyncio.Future] = set()  # fire-and-forget work (drains), held until done
         self._loop: asyncio.Task | None = None
         self.stopping = False  # shutdown began: nothing is created or taken over any more
@@ -99,7 +102,7 @@ class Controller(ReplicaLifecycle):
         that was not restarted starts its loop in ``start()``."""
         if not self.restarted or self._loop is not None or self.stopping:
             return
-        found = self._recover()
+        found = self.lifecycle.recover()
         self.target = max(found, 1) if found else self.target
         self.adopt_until = time.monotonic() + ADOPT_WINDOW_S
         log.warning("controller restarted: took over %d live replicas; target %d", found, self.target)
@@ -113,11 +116,12 @@ class Controller(ReplicaLifecycle):
             self._reconcile()
             self._loop = asyncio.ensure_future(self._monitor())
         t_end = time.monotonic() + timeout_s
-        while self._count(S.HEALTHY) < self.target and time.monotonic() < t_end:
-            if self._count(S.FAILED):
-                raise RuntimeError(next(st.error for st in self.replicas.values() if st.state is S.FAILED))
+        count = self.lifecycle.count
+        while count(ReplicaStatus.HEALTHY) < self.target and time.monotonic() < t_end:
+            if count(ReplicaStatus.FAILED):
+                raise RuntimeError(next(st.error for st in self.replicas.values() if st.state is ReplicaStatus.FAILED))
             await asyncio.sleep(0.2)
-        return self._count(S.HEALTHY)
+        return count(ReplicaStatus.HEALTHY)
 
     async def progress(self) -> list[dict[str, str]]:
         """Each replica's state and, before it serves, what it is doing or why it failed (vtoken serve's start)."""
@@ -138,25 +142,26 @@ class Controller(ReplicaLifecycle):
         self.stopping = True
         if self._loop:
             self._loop.cancel()
-        finals = await asyncio.gather(*(self._drain(st, timeout_s, "shutdown") for st in list(self.replicas.values())))
+        drain = self.lifecycle.drain
+        finals = await asyncio.gather(*(drain(st, timeout_s, "shutdown") for st in list(self.replicas.values())))
         return [f for f in finals if f]
 
     # ------------------------------------------------------------------ reports and promises
     async def report(self, name: str, r: ReplicaReport) -> bool:
         """A replica's report. True asks it for a snapshot of its prefix cache with its next report (its delta did
-        not follow the last one applied: cluster/prefix_index.py)."""
+        not follow the last one applied: cluster/placement/prefix_index.py)."""
         self._ensure_running()
         st = self.replicas.get(name)
-        if st is None and self._may_adopt(name) and self._adopt(name, "it reported after a controller restart"):
+        adopt = st is None and self._may_adopt(name)
+        if adopt and self.lifecycle.adopt(name, "it reported after a controller restart"):
             st = self.replicas[name]
         if st is None or not st.state.takes_reports():
             return False
-        if r.draining and st.state is not S.DRAINING:  # the incarnation before a restart was draining it
-            self._spawn(self._drain(st, why="it was draining when the controller restarted"))
+        if r.draining and st.state is not ReplicaStatus.DRAINING:  # the incarnation before a restart was draining it
+            self._spawn(self.lifecycle.drain(st, why="it was draining when the controller restarted"))
             return False
         if st.report.incarnation != r.incarnation:  # a new process or engine: old promises and cache are void
-            self._void_promises(name)
-            self._drop_prefix(name)
+            self._forget(name)
         for rid in r.pool.admitted:
             p = self.promises.get(rid)
             if p is None:  # placed by a gateway whose promise has not arrived yet (or one that expired)
@@ -164,7 +169,7 @@ class Controller(ReplicaLifecycle):
             elif p.replica == name:
                 del self.promises[rid]
         st.report, st.reported_at = r, time.monotonic()
-        self._on_health(st, r)
+        self.lifecycle.on_health(st, r)
         return self._prefix_report(name, r)
 
     def _prefix_report(self, name: str, r: ReplicaReport) -> bool:
@@ -181,16 +186,16 @@ class Controller(ReplicaLifecycle):
                  index.seq)  # fmt: skip
         return True
 
-    def _drop_prefix(self, name: str) -> None:
+    def _forget(self, name: str) -> None:
+        """The replica stopped serving, was removed, or came back as a new process or engine: its promises are void
+        and what its prefix cache held is forgotten."""
+        self.promises = {k: p for k, p in self.promises.items() if p.replica != name}
         self.prefix.pop(name, None)
 
     def _may_adopt(self, name: str) -> bool:
         return (
             not self.stopping and time.monotonic() < self.adopt_until and name.startswith(replica_prefix(self.cfg.name))
         )
-
-    def _void_promises(self, name: str) -> None:
-        self.promises = {k: p for k, p in self.promises.items() if p.replica != name}
 
     def _prune_placements(self) -> None:
         if any(name not in self.replicas for _, name in self.placements):
@@ -206,7 +211,7 @@ class Controller(ReplicaLifecycle):
         while True:
             try:
                 now = time.monotonic()
-                self._probe_silent(now)
+                self.lifecycle.probe_silent(now)
                 if now >= next_scale:
                     next_scale = now + 1.0
                     self._expire_promises(now)
@@ -270,11 +275,11 @@ class Controller(ReplicaLifecycle):
             return
         active = [st for st in self.replicas.values() if st.state.active()]
         for _ in range(self.target - len(active)):
-            self._create()
+            self.lifecycle.create()
         if len(active) > self.target:  # drain the least busy (a dead one first)
             order = sorted(active, key=lambda s: (s.state.serving(), s.report.pool.running))
             for st in order[: len(active) - self.target]:
-                self._spawn(self._drain(st))
+                self._spawn(self.lifecycle.drain(st))
 
     def _spawn(self, coro) -> None:
         """Run ``coro`` in the background, holding a reference until it is done (asyncio keeps only weak ones)."""
@@ -311,8 +316,8 @@ class Controller(ReplicaLifecycle):
     async def placement_state(
         self, gateway: str, known: tuple[str, ...] = (), copies: dict[str, tuple[int, int]] | None = None
     ) -> PlacementState:
-        """What ``gateway`` places from (cluster/placer.py): the serving replicas' views (every promise heard of
-        counted), the strategy, the last of the gateway's promises heard of, and the handles of the serving replicas
+        """What ``gateway`` places from (cluster/placement/placer.py): the serving replicas' views (every promise heard
+        of counted), the strategy, the last of the gateway's promises heard of, and the handles of the serving replicas
         it does not name in ``known``. Under a strategy that reads the prefix indexes, also what the gateway's
         copies of them, at the (epoch, version) ``copies`` gives per replica, need to equal them."""
         self._ensure_running()
@@ -354,6 +359,7 @@ class Controller(ReplicaLifecycle):
         self.cfg = self.cfg.model_copy(
             update={"placement": self.cfg.placement.model_copy(update={"strategy": strategy})}
         )
+        self.lifecycle.cfg = self.cfg
 
     async def finished(self, request_id: str, gateway: str = "", seq: int = 0) -> None:
         """The request is over (done, failed or cancelled): whatever it held is free or will be reported so.
@@ -362,15 +368,19 @@ class Controller(ReplicaLifecycle):
             self._settle(request_id)
         self.promises.pop(request_id, None)
 
+    async def mark_failed(self, name: str, why: str = "call failed") -> None:
+        """A gateway's call to replica ``name`` failed: dead, and restarted (``ReplicaLifecycle.mark_failed``)."""
+        await self.lifecycle.mark_failed(name, why)
+
     async def status(self) -> dict[str, Any]:
-        from cluster.status import cluster_status
+        from cluster.control.status import cluster_status
 
         self._ensure_running()
         return cluster_status(take_snapshot(self))
 
     async def snapshot(self) -> ClusterSnapshot:
         """Every replica's status, last report and promised blocks, and the cumulative placement and scaling
-        counts (cluster.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
+        counts (cluster.control.snapshot.ClusterSnapshot): what /metrics and the capacity stream read."""
         self._ensure_running()
         return take_snapshot(self)
 

@@ -6,10 +6,10 @@ keeps one index per serving replica and applies the deltas in order. A delta tha
 applied (a report lost or timed out, a controller restarted with empty indexes) empties the index and asks for a
 snapshot, which replaces it whole: an index that missed a removal would send requests to a replica for blocks it no
 longer has, so a gap is never papered over. A new incarnation (a restarted engine), a replica that stops serving
-and a replica removed drop the index (cluster/controller.py).
+and a replica removed drop the index (cluster/control/controller.py).
 
-Gateways place from copies of these indexes (cluster/placer.py), so a request placed by ``prefix`` needs no call
-to the controller. A copy follows its index as the index follows its replica: by the changes applied since the
+Gateways place from copies of these indexes (cluster/placement/placer.py), so a request placed by ``prefix`` needs no
+call to the controller. A copy follows its index as the index follows its replica: by the changes applied since the
 copy's (``epoch``, ``version``), kept for the last ``LOG`` changes, or by the whole index when the copy is of another
 epoch (a snapshot or a gap began a new one) or further behind (``since``, ``follow``). The changes replay in order
 with the same bound, so a copy that followed every update holds exactly what its index holds.
@@ -153,8 +153,8 @@ class PrefixIndex:
 
 
 def with_prefix(views: Iterable[Any], indexes: dict[str, PrefixIndex], prefix: Sequence[int]) -> list[Any]:
-    """``views`` (cluster/placement.py's ReplicaView) with how many of the prompt's ``prefix`` blocks each replica's
-    index holds: what ``prefix`` placement weighs, in the controller and in a gateway alike."""
+    """``views`` (cluster/placement/strategies.py's ReplicaView) with how many of the prompt's ``prefix`` blocks each
+    replica's index holds: what ``prefix`` placement weighs, in the controller and in a gateway alike."""
     out = []
     for v in views:
         index = indexes.get(v.name)

@@ -3,9 +3,10 @@ and a CPU ``VllmConfig`` built as vLLM's GPU-less render server builds it
 (vllm/entrypoints/launchers/render/entry.py: ``AsyncEngineArgs(...).create_model_config()``, the model's config,
 tokenizer, chat template and generation defaults; no engine, no KV cache; about 2 s and 0.7 GB here).
 
-The same engine arguments build every replica's engine (cluster/lifecycle.py ``engine_args``), so what the gateway
-validates and renders is what the replicas run: the context length, ``max_logprobs``, the structured-output backend
-and the reasoning parser (the EngineCore's grammar waits for the end of reasoning by it) come from one place.
+The same engine arguments build every replica's engine (cluster/config.py ``engine_args``, which
+cluster/control/lifecycle.py passes to each replica), so what the gateway validates and renders is what the replicas
+run: the context length, ``max_logprobs``, the structured-output backend and the reasoning parser (the EngineCore's
+grammar waits for the end of reasoning by it) come from one place.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import os
 from argparse import Namespace
 from typing import Any, NamedTuple
 
-from cluster.config import ServeConfig
-from cluster.requests import RENDER_TIMEOUT_ENV, render_too_long
+from cluster.config import ServeConfig, engine_args
+from cluster.serving.requests import RENDER_TIMEOUT_ENV, render_too_long
 
 log = logging.getLogger("vtoken.frontend")
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vllm/envs.py: read by build_app (vllm/entrypoints/launchers/api_server)
@@ -28,25 +29,6 @@ class Frontend(NamedTuple):
 
     args: Namespace
     vllm_config: Any
-
-
-def engine_args(cfg: ServeConfig) -> dict[str, Any]:
-    """The vLLM engine arguments of this deployment, as every replica's engine takes them (vToken's own are added
-    there by ``engine_kwargs``); the model is resolved where the engine runs."""
-    e = cfg.engine
-    args: dict[str, Any] = {
-        "dtype": e.dtype,
-        "block_size": e.block_size,
-        "max_model_len": e.max_model_len,
-        "enforce_eager": e.enforce_eager,
-        "seed": 0,
-        **e.extra,
-    }
-    if e.reasoning_parser:
-        args["reasoning_parser"] = e.reasoning_parser
-    if e.kv_cache_memory_bytes:
-        args["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
-    return args
 
 
 def frontend(cfg: ServeConfig) -> Frontend:
@@ -98,7 +80,7 @@ class Served(NamedTuple):
     ``state`` holding them) and the engine client they call."""
 
     app: Any
-    engine: Any  # cluster.remote_engine.RemoteEngineClient
+    engine: Any  # cluster.serving.remote_engine.RemoteEngineClient
 
 
 async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
@@ -109,7 +91,7 @@ async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from cluster.remote_engine import SUPPORTED_TASKS, RemoteEngineClient
+    from cluster.serving.remote_engine import SUPPORTED_TASKS, RemoteEngineClient
 
     fe = await asyncio.to_thread(frontend, cfg)
     engine = await asyncio.to_thread(RemoteEngineClient, cfg, fe.vllm_config, dispatcher)
@@ -122,7 +104,7 @@ async def serving_app(cfg: ServeConfig, dispatcher: Any) -> Served:
     if app.middleware_stack is not None:  # built by vLLM's SageMaker bootstrap: rebuilt with the handler, as it does
         app.middleware_stack = app.build_middleware_stack()
     await init_app_state(engine, app.state, fe.args, SUPPORTED_TASKS)
-    from cluster.template_kwargs import TemplateKwargs
+    from cluster.serving.template_kwargs import TemplateKwargs
 
     online = getattr(app.state, "online_renderer", None)
     kwargs = TemplateKwargs.of(engine.renderer, getattr(online, "chat_template", None))

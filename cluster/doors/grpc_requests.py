@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import BadRequest, RequestContext, vtoken_options
+from cluster.serving.requests import BadRequest, RequestContext, vtoken_options
 
 
 class Rendered(NamedTuple):

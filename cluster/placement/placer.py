@@ -13,8 +13,8 @@ before it, as with a call per request.
 A request that finds the copy older than ``max_age_s`` (the first after a quiet spell) waits for the new one, so
 one gateway places with one strategy object (round robin takes turns with one counter). Under a strategy that reads
 the replicas' prefix indexes (``prefix``), the copy holds copies of them too, each brought up to date with every
-refresh by the changes since (cluster/prefix_index.py): a conversation's next turn, seconds after its last, finds
-the blocks its last turn left as the controller's index does. The controller still places a request
+refresh by the changes since (cluster/placement/prefix_index.py): a conversation's next turn, seconds after its last,
+finds the blocks its last turn left as the controller's index does. The controller still places a request
 (``Controller.place``, as before) when no copy comes (a controller restarting) and when no replica in the copy is
 left to try. A strategy switched live (``Controller.set_placement``) reaches the gateway with its next refresh: at
 the latest with the first request ``max_age_s`` after the switch.
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 import ray
 
-from cluster.placement import PlacementStrategy, ReplicaView, check_fits, make_strategy, promised_per_replica
-from cluster.prefix_index import PrefixIndex, PrefixUpdate, with_prefix
+from cluster.placement.prefix_index import PrefixIndex, PrefixUpdate, with_prefix
+from cluster.placement.strategies import PlacementStrategy, ReplicaView, check_fits, make_strategy, promised_per_replica
 
 log = logging.getLogger("vtoken.gateway")
 MAX_AGE_S = 0.5  # the oldest copy placed from, at the default refresh (0.1 s)

@@ -20,7 +20,8 @@ class ReplicaView(NamedTuple):
     ``tokens_to_go``: the work left there, in tokens: what its running requests have still to read of their
     prompts and to generate (``max_tokens``), by its last report, plus the whole prompt and ``max_tokens`` of
     each pending request. ``prompt_blocks``: the full blocks of the prompt being placed; ``prefix_blocks``: how many
-    of its leading blocks the replica's prefix cache holds (cluster/prefix_index.py), so it would not compute them."""
+    of its leading blocks the replica's prefix cache holds (cluster/placement/prefix_index.py), so it would not compute
+    them."""
 
     name: str
     free_blocks: int
@@ -87,7 +88,7 @@ def check_fits(replicas: Iterable[ReplicaView], need_blocks: int) -> None:
 
 class PlacementStrategy(ABC):
     # Whether choose() reads ``prefix_blocks``: the replicas' prefix indexes, of which the controller then sends
-    # each gateway what its copies need (cluster/placer.py).
+    # each gateway what its copies need (cluster/placement/placer.py).
     reads_prefix = False
 
     @abstractmethod

@@ -14,8 +14,8 @@ import time
 from typing import Any, NamedTuple
 
 from actors.report import ReplicaReport
-from cluster.placement import ReplicaView, promised_per_replica
-from cluster.replica_status import ReplicaStatus
+from cluster.control.replica_status import ReplicaStatus
+from cluster.placement.strategies import ReplicaView, promised_per_replica
 
 
 class ReplicaSnapshot(NamedTuple):
@@ -26,7 +26,9 @@ class ReplicaSnapshot(NamedTuple):
     report_age_s: float = -1.0  # seconds since the last report was received, -1 before the first
     promised_requests: int = 0  # the requests those promised blocks belong to
     promised_tokens: int = 0  # their prompts and max_tokens: work left there that no report counts yet
-    prefix_blocks: int = 0  # blocks of its prefix cache the controller's index holds (cluster/prefix_index.py)
+    prefix_blocks: int = (
+        0  # blocks of its prefix cache the controller's index holds (cluster/placement/prefix_index.py)
+    )
 
 
 class ClusterSnapshot(NamedTuple):
@@ -64,7 +66,7 @@ def take_snapshot(ctl: Any) -> ClusterSnapshot:
         ctl.cfg.placement.strategy,
         ctl.target,
         tuple(ctl.decisions),
-        ctl.recoveries[-1] if ctl.recoveries else 0.0,
+        ctl.lifecycle.recoveries[-1] if ctl.lifecycle.recoveries else 0.0,
         getattr(ctl, "where", ("", "", 0)),
     )
 

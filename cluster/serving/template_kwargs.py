@@ -22,7 +22,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from cluster.requests import BadRequest
+from cluster.serving.requests import BadRequest
 
 FIELD = "chat_template_kwargs"
 LISTED = 20  # variables named in a refusal; a template with more says how many it left out

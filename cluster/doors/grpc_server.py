@@ -1,21 +1,19 @@
 """The gRPC front door: Generate (server streaming), GetClusterStatus, Scale, WatchCapacity (the capacity stream
 for routers), plus the standard health service and server reflection (so `grpcurl` works). Runs in the
-`vtoken serve` process on asyncio, next to the HTTP door (cluster/http_gateway.py); both send every request
-down the same path (cluster/dispatch.py): admission, placement, the replica's stream, retries and aborts.
+`vtoken serve` process on asyncio, next to the HTTP door (cluster/doors/http_server.py); both send every request
+down the same path (cluster/serving/dispatch.py): admission, placement, the replica's stream, retries and aborts.
 
 Generate's statuses: bad input INVALID_ARGUMENT (vLLM's own validation included), over ``max_inflight``
 RESOURCE_EXHAUSTED, no replica or a replica lost mid-stream UNAVAILABLE, deadline DEADLINE_EXCEEDED, anything
 unexpected INTERNAL with the request id (the traceback in the server log). vLLM's serving classes render the request,
-as for HTTP (cluster/grpc_requests.py), with vLLM's renderer (its tokenizer off the event loop).
+as for HTTP (cluster/doors/grpc_requests.py), with vLLM's renderer (its tokenizer off the event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,16 +25,17 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.auth import auth_token, bearer_ok
-from cluster.capacity import CapacityFeed
 from cluster.config import ServeConfig
-from cluster.dispatch import Dispatcher, Refused, failure, internal_message  # noqa: F401 (re-exported)
-from cluster.frontend import Served
-from cluster.grpc_requests import parse, render, sampling_fields
+from cluster.control.capacity import CapacityFeed
+from cluster.control.status import to_proto
+from cluster.doors.auth import auth_token, bearer_ok
+from cluster.doors.grpc_requests import parse, render, sampling_fields
+from cluster.doors.sockets import PortInUse
 from cluster.proto import vtoken_pb2 as pb
-from cluster.requests import CONTEXT, BadRequest, render_too_long
-from cluster.status import to_proto
-from cluster.work import WorkTally, request_work
+from cluster.serving.dispatch import Dispatcher, Refused, internal_message
+from cluster.serving.frontend import Served
+from cluster.serving.requests import CONTEXT, BadRequest, render_too_long
+from cluster.serving.work import WorkTally, request_work
 
 log = logging.getLogger("vtoken.gateway")
 SERVICE = pb.DESCRIPTOR.services_by_name["VToken"].full_name
@@ -46,8 +45,8 @@ DOOR = "grpc"
 
 class Gateway:
     def __init__(self, cfg: ServeConfig, controller: Any, dispatcher: Dispatcher, served: Served | None):
-        """``served``: vLLM's app over the replicas (cluster/frontend.py), whose serving classes render Generate's
-        requests; None serves only the control RPCs (tests of the server's start)."""
+        """``served``: vLLM's app over the replicas (cluster/serving/frontend.py), whose serving classes render
+        Generate's requests; None serves only the control RPCs (tests of the server's start)."""
         self.cfg, self.g, self.controller, self.dispatcher = cfg, cfg.gateway, controller, dispatcher
         self.state = served.app.state if served is not None else None
         self.engine = served.engine if served is not None else None
@@ -152,8 +151,8 @@ class Gateway:
             )
 
     async def generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
-        """vLLM's serving classes render the request (cluster/grpc_requests.py), the remote engine client streams it
-        (the same path as HTTP's); each step's new text, token ids and log-probabilities are one response."""
+        """vLLM's serving classes render the request (cluster/doors/grpc_requests.py), the remote engine client streams
+        it (the same path as HTTP's); each step's new text, token ids and log-probabilities are one response."""
         g = self.g
         try:
             msg = parse(raw)
@@ -255,41 +254,6 @@ def _logprobs(token_ids, logprobs, top: int | None) -> list[pb.TokenLogprob]:
         token, value = ((sampled.decoded_token or ""), max(sampled.logprob, -9999.0)) if sampled else ("", -9999.0)
         out.append(pb.TokenLogprob(token_id=tid, token=token, logprob=value, top=alts))
     return out
-
-
-class PortInUse(ValueError):
-    def __init__(self, host: str, port: int, why: str = "in use", field: str = "gateway.port", flag: str = "--port"):
-        super().__init__(
-            f"{field}: {host}:{port} is {why}; stop what holds it or choose another port ({flag}, 0 picks a free one)"
-            if field == "gateway.port"
-            else f"{field}: {host}:{port} is {why}; stop what holds it or choose another port ({flag}; 'any' picks "
-            "a free one, 0 turns HTTP off)"
-        )
-
-
-def bind_socket(host: str, port: int, field: str = "gateway.port", flag: str = "--port") -> socket.socket:
-    """A listening-ready socket bound to ``host:port`` (0: any free port), without SO_REUSEPORT: a busy port is
-    PortInUse, never shared with whatever holds it. SO_REUSEADDR as servers set it: a port in TIME_WAIT is free."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise ValueError(f"gateway.host: cannot resolve {host!r}: {e}") from None
-    s = socket.socket(family, kind, proto)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(addr)
-    except OSError as e:
-        s.close()
-        why = "in use" if e.errno == errno.EADDRINUSE else f"not available ({(e.strerror or str(e)).lower()})"
-        raise PortInUse(host, port, why, field, flag) from None
-    return s
-
-
-def check_port(host: str, port: int, field: str = "gateway.port", flag: str = "--port") -> None:
-    """Raise PortInUse now, before anything starts, if the gateway could not bind ``host:port`` (0: any)."""
-    if port == 0:
-        return
-    bind_socket(host, port, field, flag).close()
 
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"

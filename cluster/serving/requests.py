@@ -1,9 +1,9 @@
 """A request as both front doors hand it to the dispatcher, and a request's own eviction options, checked once.
 
 vLLM's serving layer does the rest, as in ``vllm serve``: the HTTP door runs vLLM's OpenAI routes and serving classes
-(cluster/http_gateway.py), the gRPC door renders with the same renderer (cluster/grpc_requests.py), and both hand the
-rendered prompt and vLLM's ``SamplingParams`` to the remote engine client (cluster/remote_engine.py), which builds
-a ``ValidRequest`` for placement. What is vToken's own is here: the ``vtoken`` extension (HTTP
+(cluster/doors/http_server.py), the gRPC door renders with the same renderer (cluster/doors/grpc_requests.py), and both
+hand the rendered prompt and vLLM's ``SamplingParams`` to the remote engine client (cluster/serving/remote_engine.py),
+which builds a ``ValidRequest`` for placement. What is vToken's own is here: the ``vtoken`` extension (HTTP
 ``extra_body={"vtoken": {...}}``, gRPC ``VTokenOptions``), refused with a ``BadRequest`` naming ``vtoken.<key>``.
 Nothing here touches Ray or the engine.
 """
@@ -111,9 +111,12 @@ class ValidRequest(BaseModel):
     """A request either door has validated: what the dispatcher places and the engine runs."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
-    request_id: str  # the client's (gRPC request_id, HTTP's request id); engines know the gateway's own id
+    request_id: str  # the gateway's, unique per stream: the engine, the replica and the controller know it by this
+    client_id: str  # the client's own (gRPC request_id, HTTP's request id; clients may reuse it), for logs
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # non-default vllm.SamplingParams fields (actors/wire.py sampling_kwargs)
+    max_tokens: int  # per sequence, as placement counts it (remote_engine._valid sets it, once)
+    n: int = 1  # sequences
     deadline_s: float | None = None
     eviction: Eviction | None = None  # the request's own eviction options, checked (vtoken_options)
     # The prompt's block hashes (vtoken/prefix_hash.py): placement matches them against
@@ -121,14 +124,6 @@ class ValidRequest(BaseModel):
     prefix_hashes: tuple[int, ...] = ()
     # AsyncLLM.generate's own arguments that the serving layer set (priority, reasoning_ended, ...)
     engine_kwargs: dict[str, Any] = {}
-
-    @property
-    def max_tokens(self) -> int:
-        return int(self.sampling.get("max_tokens") or 16)  # vLLM's SamplingParams default
-
-    @property
-    def n(self) -> int:
-        return int(self.sampling.get("n") or 1)
 
     def spec_sampling(self) -> dict[str, Any]:
         """What crosses to the replica: the sampling, with the request's eviction options in ``extra_args``."""
@@ -149,8 +144,12 @@ class RequestContext(NamedTuple):
     # GenerateResponse.replica). A dict, so tasks the serving layer starts write where the door reads.
     seen: dict | None = None
     live: Live | None = None  # the HTTP door's: its generate calls still running (a background Responses request)
-    parse: Any = None  # cluster.dispatch.ParseStage: ended when the serving layer hands over the rendered prompt
-    tally: Any = None  # cluster.work.WorkTally: the request's work, summed over its prompts as they are rendered
+    parse: Any = (
+        None  # cluster.serving.dispatch.ParseStage: ended when the serving layer hands over the rendered prompt
+    )
+    tally: Any = (
+        None  # cluster.serving.work.WorkTally: the request's work, summed over its prompts as they are rendered
+    )
     grammar_field: str = "structured_outputs"  # the field a client set its structured output with
 
 

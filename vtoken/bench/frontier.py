@@ -1,0 +1,374 @@
+"""The frontier: requests per second against answers kept, stock vLLM (fp32 and fp8 KV) and vToken, one KV pool.
+
+Every configuration gets a KV pool of the same BYTES (``--kv-bytes``; an fp8 cache holds more tokens in it):
+
+  stock              vToken off, kv_cache_dtype auto (the model's dtype)
+  stock-fp8          vToken off, kv_cache_dtype fp8
+  vtoken-0.5         vToken (snapkv, pressure mode, the served defaults) at budget 0.5
+  vtoken-0.25        the same at 0.25
+  vtoken-0.25-floor  the same at 0.25 with ``pressure_floor`` ``--floor``: admission keeps that share of every
+                     running request's tokens, so requests wait instead of shedding below it
+  vtoken-0.5-norecall  vtoken-0.5 without recall (``recall_every`` 0): what recall buys, for its default
+  vtoken-fp8-0.5     vToken on an fp8 cache at 0.5, and at 0.25 (``vtoken-fp8-0.25``)
+
+For each configuration, two measurements with the same engine settings:
+
+  throughput  stock vLLM's OpenAI server (vToken switched in by its flags, ``serve_args``: one server for every
+              configuration) measured by vLLM's own client (vtoken/bench/serve.py ``client``): random prompts,
+              ``--ignore-eos``, every request sent at once (``--rate inf``) so that the pool saturates; a
+              decode-heavy workload (short prompts, long replies: the pool fills while decoding) and a
+              prefill-heavy one (long prompts, short replies)
+  answers     the suites of vtoken/bench/suites.py, each served all at once into the same pool (offline engine,
+              the same engine arguments), scored by the suite's own metric: the needle's value for niah and
+              multi, content-word F1 >= 0.5 with STOCK fp32's reply to the same prompt for agree and longreply
+              (stock fp32 is always served for that reference). An answer is "kept" when it counts.
+
+Answers kept, pooled: the hits over every prompt of the HELD-OUT suites (multi, agree, longreply; ``niah`` is the
+tuning suite and is reported beside them, not pooled), with its 95% Wilson interval. Served-correct goodput: the
+decode-heavy workload's requests per second x the pooled share of answers kept (its interval: the same
+requests per second x the share's interval; the throughput's own spread is not in it).
+
+A configuration that fails to start (a KV dtype vToken refuses, vtoken/vllm_adapter/engine.py REFUSED; a server that
+exits) is recorded with its error in the JSON and a table of its own, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from vtoken.bench.engine_run import Engine, log
+from vtoken.bench.needles import wilson
+from vtoken.bench.report import Table
+from vtoken.bench.suites import SUITES, reply
+
+
+class Config(NamedTuple):
+    name: str
+    kv_cache_dtype: str  # vLLM's: auto (the model's dtype) or fp8
+    budget: float | None  # None: vToken off
+    floor: bool = False  # pressure_floor at --floor
+    recall: bool = True  # False: recall_every 0 (parked tokens come back only when the pool has room)
+
+    def vtoken(self, args) -> dict[str, Any]:
+        """The VTokenConfig of its engines: the served defaults (snapkv, pressure mode, the parking tier), and the
+        prefill chunk every configuration reads prompts in."""
+        if self.budget is None:
+            return {"mode": "off"}
+        cfg = {"mode": "vtoken", "policy": args.policy, "budget": self.budget, "evict": "pressure",
+               "pressure_floor": args.floor if self.floor else 0.0, "prefill_chunk": args.prefill_chunk}  # fmt: skip
+        return cfg if self.recall else {**cfg, "recall_every": 0}
+
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("stock", "auto", None),
+        Config("stock-fp8", "fp8", None),
+        Config("vtoken-0.5", "auto", 0.5),
+        Config("vtoken-0.25", "auto", 0.25),
+        Config("vtoken-0.25-floor", "auto", 0.25, floor=True),
+        Config("vtoken-0.5-norecall", "auto", 0.5, recall=False),
+        Config("vtoken-fp8-0.5", "fp8", 0.5),
+        Config("vtoken-fp8-0.25", "fp8", 0.25),
+    )
+}
+REFERENCE = "stock"  # agree and longreply count a reply by this configuration's reply to the same prompt
+HELD_OUT = tuple(name for name, s in SUITES.items() if not s.tuning)
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--only", default="", help=f"configurations to run, comma-separated (default: {', '.join(CONFIGS)})")
+    p.add_argument("--suites", default=",".join(SUITES), help="answer suites (niah is the tuning suite, not pooled)")
+    p.add_argument("--prompts", type=int, default=48,
+                   help="prompts per suite (48: a 95%% Wilson interval at most +-14 points)")  # fmt: skip
+    p.add_argument("--lengths", default="1024,2048", help="suite prompt lengths, tokens (the same for every suite)")
+    p.add_argument("--kv-bytes", type=int, default=128 << 20, help="the KV pool of every configuration, bytes")
+    p.add_argument("--policy", default="snapkv")
+    p.add_argument("--floor", type=float, default=0.5, help="vtoken-0.25-floor's pressure_floor")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill forward (every configuration)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--decode", default="128,384,48", help="decode-heavy workload: input,output tokens,requests")
+    p.add_argument("--prefill", default="1024,16,48", help="prefill-heavy workload: input,output tokens,requests")
+    p.add_argument("--rate", default="inf", help="request rate of both workloads (inf: every request at once)")
+    p.add_argument("--sla", default="ttft:4000,tpot:250", help="vLLM client's --goodput SLA (recorded, not used)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+def pooled(answers: dict[str, dict], suites: tuple[str, ...] = HELD_OUT) -> dict | None:
+    """Hits over every prompt of ``suites`` that ran, with the 95% Wilson interval; None if none ran."""
+    ran = [s for s in suites if "hits" in answers.get(s, {})]
+    if not ran:
+        return None
+    hits, n = sum(answers[s]["hits"] for s in ran), sum(answers[s]["n"] for s in ran)
+    lo, hi = wilson(hits, n)
+    return {"hits": hits, "n": n, "share": hits / n, "ci95": [lo, hi], "suites": ran}
+
+
+def goodput(rps: float | None, kept: dict | None) -> dict | None:
+    """Served-correct goodput: requests per second x the share of answers kept, and the same rate x the share's
+    interval."""
+    if rps is None or kept is None:
+        return None
+    return {"value": rps * kept["share"], "ci95": [rps * kept["ci95"][0], rps * kept["ci95"][1]]}
+
+
+def ratios(configs: dict[str, dict]) -> None:
+    """Each configuration's goodput over stock's and over stock fp8's (None where either is missing)."""
+    for c in configs.values():
+        for base in ("stock", "stock-fp8"):
+            b, g = (configs.get(base) or {}).get("goodput"), c.get("goodput")
+            c.setdefault("vs", {})[base] = g["value"] / b["value"] if g and b and b["value"] else None
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+def _engine_kw(args, config: Config) -> dict[str, Any]:
+    """The engine arguments both measurements share, beyond serve.py's (dtype, block size, pool, eager)."""
+    return {"kv_cache_dtype": config.kv_cache_dtype, "enable_prefix_caching": False,
+            "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
+
+
+def _server_flags(args, config: Config) -> list[str]:
+    """vLLM server flags: the shared arguments, and vToken's (``serve_args`` refuses what vToken refuses)."""
+    from vtoken.vllm_adapter.engine import serve_args
+
+    kw = _engine_kw(args, config)
+    flags = ["--kv-cache-dtype", config.kv_cache_dtype, "--no-enable-prefix-caching",
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+    if config.budget is None:  # stock reads prompts in the same chunks
+        return flags + ["--enable-chunked-prefill", "--long-prefill-token-threshold", str(args.prefill_chunk)]
+    return flags + serve_args(config.vtoken(args), enforce_eager=True, **kw)
+
+
+def _workload(spec: str) -> dict[str, int]:
+    i, o, n = (int(x) for x in spec.split(","))
+    return {"input_len": i, "output_len": o, "requests": n}
+
+
+def throughput(args, config: Config, folder: str, workloads: dict[str, dict]) -> dict[str, dict]:
+    """Each workload through vLLM's client against one server of ``config``; an error entry if it cannot run."""
+    from vtoken.bench.serve import WARM_SEED, client, stock_server
+
+    out: dict[str, dict] = {}
+    try:
+        flags = _server_flags(args, config)
+        server = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, kv_bytes=args.kv_bytes)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as deployed: the EngineCore in its own process
+        with tempfile.TemporaryDirectory() as tmp, stock_server(server, folder, flags, env) as url:
+            for name, w in workloads.items():
+                c = argparse.Namespace(model=args.model, input_len=w["input_len"], output_len=w["output_len"],
+                                       seed=args.seed, goodput=args.sla, max_concurrency=0)  # fmt: skip
+                client(argparse.Namespace(**{**vars(c), "output_len": 4}), url, folder, float("inf"), tmp,
+                       seed=WARM_SEED, num_prompts=2)  # warm-up on prompts no workload sends  # fmt: skip
+                out[name] = r = client(c, url, folder, float(args.rate), tmp, num_prompts=w["requests"])
+                log(f"[frontier] {config.name} {name}: {r['completed']} ok, {r['failed']} failed, "
+                    f"{r['request_throughput']:.3f} req/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, "
+                    f"TPOT p50 {r['median_tpot_ms']:.1f} ms")  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - one configuration's failure is a result, not the run's end
+        for name in workloads:
+            out.setdefault(name, {"error": _error(e)})
+        log(f"[frontier] {config.name} throughput: ERROR {_error(e)}")
+    return out
+
+
+def answers(args, config: Config, folder: str, tok, cases: dict, reference: dict[str, list[str]]):
+    """Every suite served all at once into the pool by an offline engine of ``config``, scored (the reference
+    configuration's replies become ``reference``); and the pool's blocks (None if it did not start)."""
+    out: dict[str, dict] = {}
+    blocks = None
+    mode = "off" if config.budget is None else "vtoken"
+    cfg = {"prefill_chunk": args.prefill_chunk} if mode == "off" else config.vtoken(args)
+    try:
+        with Engine(folder, mode, cfg, kv_bytes=args.kv_bytes, max_model_len=args.max_model_len,
+                    **_engine_kw(args, config)) as e:  # fmt: skip
+            for name, cs in cases.items():
+                suite = SUITES[name]
+                if suite.needs_full and config.name != REFERENCE and name not in reference:
+                    out[name] = {"error": f"no reference: {REFERENCE} did not answer {name}"}
+                    continue
+                b = e.batch([c.prompt for c in cs], suite.max_tokens)
+                texts = [reply(tok, s.output_tokens, suite.chat) for s in b.served]
+                if config.name == REFERENCE:
+                    reference[name] = texts
+                full = reference.get(name, [""] * len(cs))
+                hits = [bool(suite.hit(c, t, f)) for c, t, f in zip(cs, texts, full)]
+                lo, hi = wilson(sum(hits), len(hits))
+                out[name] = {"hits": sum(hits), "n": len(hits), "share": sum(hits) / len(hits), "ci95": [lo, hi],
+                             "per_prompt": [int(h) for h in hits], "preemptions": b.preemptions,
+                             "seconds": round(b.seconds, 1), "answers": texts}  # fmt: skip
+                log(f"[frontier] {config.name} {name}: {sum(hits)}/{len(hits)} kept ({b.seconds:.0f} s)")
+            blocks = e.total_blocks
+    except Exception as e:  # noqa: BLE001
+        out = {name: {"error": _error(e)} for name in cases}
+        log(f"[frontier] {config.name} answers: ERROR {_error(e)}")
+    return out, blocks
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[-600:]}"
+
+
+def _kv_bytes_per_token(folder: str) -> dict[str, int]:
+    c = json.loads((Path(folder) / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per = c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head
+    return {"auto": per * 4, "fp8": per}  # the model runs in fp32 here
+
+
+def _git() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, timeout=30).stdout.strip()
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    return {}
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from vtoken.models import model_path
+
+    if args.quick:  # the same shapes, shorter suite prompts, a few requests and 8 prompts per suite
+        args.prompts, args.lengths, args.kv_bytes = 8, "512", 48 << 20
+        args.decode, args.prefill = "128,384,4", "1024,16,4"
+    names = [n for n in args.only.split(",") if n] or list(CONFIGS)
+    bad = sorted(set(names) - set(CONFIGS))
+    if bad:
+        raise SystemExit(f"--only: unknown {bad}; choose from {', '.join(CONFIGS)}")
+    folder = str(model_path(args.model))
+    tok = AutoTokenizer.from_pretrained(folder)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    cases = {}
+    for name in [s for s in args.suites.split(",") if s]:
+        per = len(lengths) * (2 if name == "niah" else 1)  # niah: two tasks (single, multikey)
+        cases[name] = SUITES[name].build(tok, lengths, max(args.prompts // per, 1))
+    workloads = {"decode": _workload(args.decode), "prefill": _workload(args.prefill)}
+    longest = max([len(c.prompt) + SUITES[s].max_tokens for s, cs in cases.items() for c in cs]
+                  + [w["input_len"] + w["output_len"] for w in workloads.values()])  # fmt: skip
+    args.max_model_len = -(-longest // 32) * 32
+    needs_ref = any(SUITES[s].needs_full for s in cases)
+    order = ([REFERENCE] if needs_ref or REFERENCE in names else []) + [n for n in names if n != REFERENCE]
+    log(f"[frontier] {', '.join(order)}: {sum(map(len, cases.values()))} prompts, pool {args.kv_bytes} bytes")
+    reference: dict[str, list[str]] = {}
+    configs: dict[str, dict] = {}
+    for name in order:
+        config = CONFIGS[name]
+        ans, blocks = answers(args, config, folder, tok, cases, reference)
+        if name not in names:  # served only for the reference replies
+            configs[name] = {"reference_only": True, "answers": ans, "pool_blocks": blocks}
+            continue
+        tp = throughput(args, config, folder, workloads)
+        kept = pooled(ans)
+        rps = tp.get("decode", {}).get("request_throughput")
+        errors = {part: r["error"] for part, r in {**tp, **ans}.items() if "error" in r}
+        configs[name] = {"settings": {**config._asdict(), "vtoken": config.vtoken(args)}, "pool_blocks": blocks,
+                         "throughput": tp, "answers": ans, "kept": kept, "goodput": goodput(rps, kept),
+                         "errors": errors}  # fmt: skip
+    ratios({k: v for k, v in configs.items() if not v.get("reference_only")})
+    return {
+        "model": args.model,
+        "git": _git(),
+        "pool_bytes": args.kv_bytes,
+        "kv_bytes_per_token": _kv_bytes_per_token(folder),
+        "max_model_len": args.max_model_len,
+        "workloads": {k: {**w, "rate": args.rate} for k, w in workloads.items()},
+        "suites": {s: _suite(s, cs, lengths) for s, cs in cases.items()},
+        "reference": REFERENCE,
+        "configs": configs,
+        "load": {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()[0]},
+    }
+
+
+def _suite(name: str, cases, lengths: list[int]) -> dict[str, Any]:
+    from vtoken.bench.retrieval import prompts_digest
+
+    suite = SUITES[name]
+    return {"split": "tuning" if suite.tuning else "held-out", "pooled": name in HELD_OUT, "n": len(cases),
+            "lengths": lengths, "max_tokens": suite.max_tokens, "metric": suite.metric,
+            "prompts_sha256": prompts_digest(cases)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _pct(r: dict | None) -> str:
+    if not r:
+        return "-"
+    if "error" in r:
+        return "error"
+    return f"{r['hits']}/{r['n']} ({100 * r['share']:.0f}%, {100 * max(r['ci95'][0], 0):.0f}-{100 * r['ci95'][1]:.0f})"
+
+
+def _num(r: dict, key: str, fmt: str = "{:.3f}") -> str:
+    return "error" if "error" in r else ("-" if r.get(key) is None else fmt.format(r[key]))
+
+
+def tables(result: dict) -> list[Table]:
+    suites = list(result["suites"])
+    rows, errors = [], []
+    for name, c in result["configs"].items():
+        if c.get("reference_only"):
+            continue
+        s, tp = c["settings"], c["throughput"]
+        dec, pre = tp.get("decode", {}), tp.get("prefill", {})
+        g, vs = c.get("goodput"), c.get("vs", {})
+        rows.append([
+            name, s["kv_cache_dtype"], "-" if s["budget"] is None else f"{s['budget']:g}"
+            + (f", floor {s['vtoken']['pressure_floor']:g}" if s.get("floor") else ""),
+            _num(dec, "request_throughput"), _num(pre, "request_throughput"),
+            f"{_num(dec, 'median_ttft_ms', '{:.0f}')} / {_num(pre, 'median_ttft_ms', '{:.0f}')}",
+            f"{_num(dec, 'median_tpot_ms', '{:.1f}')} / {_num(pre, 'median_tpot_ms', '{:.1f}')}",
+            *[_pct(c["answers"].get(x)) for x in suites], _pct(c.get("kept")),
+            f"{g['value']:.3f} ({g['ci95'][0]:.3f}-{g['ci95'][1]:.3f})" if g else "-",
+            " / ".join(f"x{vs[b]:.2f}" if vs.get(b) else "-" for b in ("stock", "stock-fp8")),
+        ])  # fmt: skip
+        errors += [[name, part, e] for part, e in c.get("errors", {}).items()]
+    split = {s: result["suites"][s]["split"] for s in suites}
+    w = result["workloads"]
+    cols = ["config", "KV dtype", "budget", "req/s decode", "req/s prefill", "TTFT p50 ms (decode / prefill)",
+            "TPOT p50 ms (decode / prefill)", *[f"{s} kept ({split[s]})" for s in suites],
+            "pooled kept (held-out)", "served-correct goodput req/s", "goodput vs stock / vs stock fp8"]  # fmt: skip
+    per_tok = result["kv_bytes_per_token"]
+    out = [
+        Table(
+            f"Requests per second against answers kept ({result['model']}, every configuration with a KV pool of "
+            f"{result['pool_bytes'] / (1 << 20):g} MiB: {result['pool_bytes'] // per_tok['auto']} tokens at fp32, "
+            f"{result['pool_bytes'] // per_tok['fp8']} at fp8)",
+            cols,
+            rows,
+            f"Throughput: vLLM's own client against vLLM's OpenAI server (vToken switched in by its flags), "
+            f"--ignore-eos, request rate {w['decode']['rate']}; decode-heavy: {w['decode']['requests']} requests of "
+            f"{w['decode']['input_len']} prompt / {w['decode']['output_len']} output tokens; prefill-heavy: "
+            f"{w['prefill']['requests']} of {w['prefill']['input_len']} / {w['prefill']['output_len']}. "
+            "Answers: each suite served all at once into the same pool; kept = the suite's own hit (needle found "
+            f"for niah and multi; content-word F1 >= 0.5 with {result['reference']}'s reply for agree and "
+            "longreply), hits/n (share, 95% Wilson interval). Pooled: the held-out suites only (niah is the "
+            "tuning suite). Served-correct goodput = decode-heavy req/s x pooled share kept (interval: the same "
+            "req/s x the share's interval).",
+        )
+    ]
+    if errors:
+        out.append(Table("Configurations that did not run", ["config", "part", "error"], errors))
+    return out
+
+
+def plot(result: dict, fig) -> None:
+    ax = fig.subplots(1, 1)
+    for i, (name, c) in enumerate(result["configs"].items()):
+        kept, rps = c.get("kept"), (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
+        if c.get("reference_only") or not kept or rps is None:
+            continue
+        x, lo, hi = (100 * v for v in (kept["share"], *kept["ci95"]))
+        ax.errorbar([x], [rps], xerr=[[x - lo], [hi - x]], fmt="o" if "fp8" not in name else "s", c=f"C{i}", capsize=3)
+        ax.annotate(name, (x, rps), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    mib = result["pool_bytes"] / (1 << 20)
+    ax.set(xlabel="answers kept, pooled over held-out suites (%, 95% CI)", ylabel="requests/s, decode-heavy",
+           title=f"{result['model']}, a KV pool of {mib:g} MiB for every configuration")  # fmt: skip
+    ax.grid(alpha=0.3)
