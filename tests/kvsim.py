@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vtoken.core.compactor import Compactor, Progress
+from vtoken.core.compactor import Compactor
 from vtoken.core.move_batch import MoveBatch
 from vtoken.core.park import TierSlots
 from vtoken.core.planner import moves_lower_bound, to_global_slots
 from vtoken.core.policies import make_policy
+from vtoken.core.step import Progress
 from vtoken.kv.kv_layout import LAYOUTS
 from vtoken.kv.mover import CpuMover
 from vtoken.kv.tier import KVTier

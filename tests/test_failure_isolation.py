@@ -72,7 +72,7 @@ def test_a_failed_request_leaves_nothing_of_this_step_behind():
     sim.add("a", prompt=16, policy=make_policy("random", budget=0.5, sink=0, recent=0))
     sim.add("bad", prompt=16, policy=Exploding(budget=0.5, sink=0, recent=0))
     sim.step({"a": 8, "bad": 8}, failures={})
-    from vtoken.core.compactor import Progress
+    from vtoken.core.step import Progress
 
     bad_blocks = {b.block_id for b in sim.reqs["bad"].blocks}
     plan = sim.core.plan_step([Progress(rid, 8, 0, 8) for rid in sim.reqs])

@@ -4,11 +4,14 @@ Naive-Evict is the paper's paired baseline: the same eviction decisions, but no 
 block is released only when every token in it is dead. Logical token ``i`` then sits at its original
 slot ``i``, in block ``i // block_size``; the block being filled (holding logical ``num_logical - 1`` and
 waiting for the next token) is held too, even if its tokens are dead.
+
+The compactor in naive mode packs as vToken does and holds the difference as ballast (``settle_ballast``), so the
+pool sees what Naive-Evict would hold.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,3 +53,19 @@ def block_counts(table: TokenTable) -> BlockCounts:
         naive_retained_blocks(table.live_mask(), table.block_size),
         floor_blocks(table.num_live, table.block_size),
     )
+
+
+def settle_ballast(ballast: list, table: TokenTable, writing: int, block_size: int, pool: Any) -> None:
+    """Naive mode's ballast (``ballast``: the request's list, changed in place): hold exactly the blocks
+    Naive-Evict would hold beyond what the packed layout needs, for the forward that writes ``writing`` new tokens.
+    Extra ballast goes back to ``pool`` (vLLM's BlockPool); missing ballast is taken from it while it lasts."""
+    packed = -(-(table.physical_len + writing) // block_size)
+    want = max(table.naive_blocks(writing) - packed, 0)
+    if len(ballast) > want:
+        extra = ballast[want:]
+        del ballast[want:]
+        pool.free_blocks(reversed(extra))
+    elif len(ballast) < want:
+        n = min(want - len(ballast), pool.get_num_free_blocks())
+        if n:
+            ballast.extend(pool.get_new_blocks(n))

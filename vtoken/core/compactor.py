@@ -30,12 +30,18 @@ may evict is vtoken/core/schedule.py's business; WHAT it does then depends on it
     decoding  evict to the budget at decode steps
 
 Pressure mode (``evict: "pressure"``): the budget is a floor, not a target. A request keeps every token until the
-pool runs short (``plan_step``'s shortfall: blocks the running and waiting requests need, plus a watermark, beyond
-the free ones); then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
-lowest-scored ones and never below its budget (vtoken/core/shedding.py says in which order, and why), and go on keeping
-the rest. A request still reading its prompt parks what it sheds, and chooses among live and parked tokens with
-the question as in always mode, keeping as many as it holds. A request that chooses in a step (the question, or a
-recall) gives up its share of that step's shortfall in the same choice (its one compaction of the step).
+pool runs short; then the requests give back exactly what the shortfall needs, with the fewest tokens, each its
+lowest-scored ones and never below its budget, and go on keeping the rest (vtoken/core/pressure.py, shedding.py).
+A request that chooses in a step (the question, or a recall) gives up its share of that step's shortfall in the
+same choice (its one compaction of the step).
+
+The compactor keeps the token table's life: decide (the policy, by phase), pack (``_compact``: the one
+kill-park-pack-restore of a request in a step, at most once a step) and plan (``plan_step``: one ``StepPlan`` for
+all requests). It holds two small owners and calls them: ``recall`` (vtoken/core/recall.py: the tier's slots, the
+choices among live and parked tokens, re-inflation) and ``pressure`` (vtoken/core/pressure.py: the shortfall, who
+sheds, the forecast). Admission's rules are vtoken/core/shedding.py's, what the worker scores is
+vtoken/core/score_ask.py's, the reports are vtoken/core/reporting.py's. A request whose work raises ends alone
+(``isolated``): it leaves the step at once (``StepWork.drop``) and the engine ends it (``take_failed``).
 """
 
 from __future__ import annotations
@@ -43,83 +49,31 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from vtoken.core.budget import forward_bound, kept_tokens
+from vtoken.core.accounting import settle_ballast
+from vtoken.core.budget import forward_bound
 from vtoken.core.move_batch import MoveBatch
-from vtoken.core.packing import kill_and_pack
+from vtoken.core.packing import kill_and_pack, protected_blocks, protected_tokens
 from vtoken.core.park import TierSlots
 from vtoken.core.phase import Phase, check_phase
 from vtoken.core.planner import to_global_slots
 from vtoken.core.policies import EvictionPolicy, PolicyInput
+from vtoken.core.pressure import Pressure, remember
+from vtoken.core.recall import Recall, Restore, parked_while_reading, recalls
 from vtoken.core.records import EngineTotals, RequestRecord, TraceBook, request_seed
+from vtoken.core.reporting import CoreReport, core_report, core_stats
 from vtoken.core.request_state import RequestState
 from vtoken.core.schedule import Schedule
-from vtoken.core.shedding import Holder, admissible, floor_tokens, plan_sheds, plan_sheds_above, reserved_blocks
+from vtoken.core.score_ask import ScoreAsk, score_ask
+from vtoken.core.shedding import admit_at_floors, admit_to_tier, tier_need
+from vtoken.core.step import Progress, StepPlan, StepWork
 from vtoken.core.token_table import TokenTable
 
 MODES = ("naive", "vtoken")
 logger = logging.getLogger(__name__)
-
-
-class Progress(NamedTuple):
-    """Where one running request stands when a step begins."""
-
-    request_id: str
-    num_computed: int  # logical tokens whose KV exists
-    num_output: int  # output tokens sampled so far
-    next_tokens: int  # tokens its next forward is expected to write (1 when decoding; naive ballast sizing)
-
-
-class ScoreAsk(NamedTuple):
-    """What the worker computes for one request in this step's forward."""
-
-    queries: int  # how many of the forward's last queries to score (1 for a decode step; 0: none)
-    export: tuple[str, ...]  # statistics to send back after the forward (empty: keep accumulating)
-    parked: np.ndarray | None = None  # tier slots scored with the live keys in one softmax (the last chunk)
-    record: bool = False  # keep this decode step's query in the request's window (on-demand policies)
-    window: tuple[str, ...] = ()  # score the window of recent queries after the forward, and send these back
-    window_parked: np.ndarray | None = None  # recall: the window is scored over these tier slots too
-
-
-class StepPlan(NamedTuple):
-    moves: MoveBatch  # global slots, all requests, one gather-then-scatter
-    keep_blocks: dict[str, int]  # request -> blocks it keeps (its list was truncated)
-    gaps: dict[str, int]  # request -> logical - physical length, where it changed
-    park: MoveBatch = MoveBatch.empty()  # pool slot -> tier slot, read before this step's moves
-    restore: MoveBatch = MoveBatch.empty()  # tier slot -> pool slot, written after this step's moves
-    tier_freed: np.ndarray = np.empty(0, np.int64)  # tier slots given back this step (the worker's boxes follow)
-    set_blocks: dict[str, list[int]] = {}  # request -> its whole block list, where blocks were added (re-inflation)
-
-
-class CoreReport(NamedTuple):
-    """The compactor in a few numbers, for a replica's frequent pool report: O(requests + blocks)."""
-
-    live_tokens: int
-    retained_blocks: int  # blocks the requests hold (naive mode: with the ballast)
-    naive_retained_blocks: int  # what Naive-Evict would hold for the same live tokens
-    admitted: tuple[str, ...]  # the callers' ids of the requests it tracks
-    blocks_freed: int  # counters since the engine started
-    tokens_evicted: int
-    tokens_moved: int
-    compaction_seconds: float
-    preemptions: int
-    parked_tokens: int = 0  # in the tier now
-    tier_tokens: int = 0  # the tier's size (0: none)
-    tokens_recalled: int = 0  # counters since the engine started
-    recalls: int = 0
-    recall_bytes: int = 0
-
-
-class Restore(NamedTuple):
-    """Parked tokens coming back into the pool: their logical positions, tier slots and the forwards that parked
-    them (taken out of ``Parked`` already)."""
-
-    logical: np.ndarray
-    tier: np.ndarray
-    at_forward: np.ndarray
 
 
 class CompactorError(RuntimeError):
@@ -144,16 +98,25 @@ class Compactor:
         if mode not in MODES:
             raise ValueError(f"compactor mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bs, self.pool, self.blocks_of = mode, int(block_size), pool, blocks_of
-        self.tier = tier
         self.floor = float(floor)  # pressure_floor of requests added without their own (vtoken/core/shedding.py)
         self.states: dict[str, RequestState] = {}
         self.totals = EngineTotals()
         self.traces = TraceBook() if trace else None
         self.step = 0
-        self._park: list[tuple[str, MoveBatch]] = []  # this step's park and restore moves, by request
-        self._restore: list[tuple[str, MoveBatch]] = []
+        self._work = StepWork({})  # the step in the making (``plan_step``)
+        self.recall = Recall(tier, self.bs, pool, blocks_of, self.states, self.totals, self._compact)
+        self.pressure = Pressure(self.bs, pool, blocks_of, self.states, self._input)
         # Requests whose decision, compaction or shed raised: each ends alone, with an error (``take_failed``).
         self.failed: dict[str, str] = {}
+
+    @property
+    def tier(self) -> TierSlots | None:
+        """The parking tier's slots (None: no parking), held by ``recall``."""
+        return self.recall.tier
+
+    @tier.setter
+    def tier(self, tier: TierSlots | None) -> None:
+        self.recall.tier = tier
 
     # ---------------------------------------------------------------- request life
     def add(
@@ -230,24 +193,10 @@ class Compactor:
             self._forget(st, finished)
         if self.traces is None:
             return None
-        if not finished:
-            if st is not None:
-                self.traces.preempted(request_id, st.record)
-            return None
-        line = self.traces.finished(request_id, st.record if st is not None else None)
-        if line is None:
-            return None
-        caller, fields = line
-        return {"request_id": caller, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
-                **fields}  # fmt: skip
+        return self.traces.ended(request_id, st.record if st is not None else None, finished, prompt_ids, output_ids)
 
     def _forget(self, st: RequestState, finished: bool) -> None:
-        if st.parked.size:  # finished or preempted with tokens parked: hidden since they were parked, now gone
-            if st.request_id in self.failed:
-                self.tier.give(st.parked.tier)
-                st.parked.clear()
-            else:
-                self._discard(st, np.arange(st.parked.size))
+        self.recall.forget(st, failed=st.request_id in self.failed)
         if finished:
             if st.request_id not in self.failed:  # a failed request's record may be half updated: not counted
                 st.record.finish(st.table, len(self.blocks_of(st.request_id)), len(st.ballast))
@@ -267,45 +216,20 @@ class Compactor:
             return
         st.stats = stats
         if st.schedule.eager:
-            live = st.table.live_logical()
-            slots = st.table.slot_of[live]
-            known = st.known or {}
-            for name, values in stats.items():
-                if name.startswith("parked:") or values.size < st.table.physical_len:
-                    continue
-                column = known.get(name)
-                if column is None or column.size < st.table.num_logical:
-                    grown = np.full(st.table.num_logical, np.inf)
-                    if column is not None:
-                        grown[: column.size] = column
-                    column = grown
-                column[live] = values[slots]
-                known[name] = column
-            st.known = known
-
-    def _known(self, st: RequestState) -> dict[str, np.ndarray]:
-        """The latest statistics of a request's live tokens, per physical slot; tokens none covered rank as the
-        most worth keeping (the newest ones, mostly)."""
-        live = st.table.live_logical()
-        slots = st.table.slot_of[live]
-        out = {}
-        for name, column in st.known.items():
-            values = np.full(st.table.physical_len, np.inf)
-            inside = live < column.size
-            values[slots[inside]] = column[live[inside]]
-            out[name] = values
-        return out
+            remember(st, stats)
 
     # ---------------------------------------------------------------- one request's failure stays its own
     @contextlib.contextmanager
     def isolated(self, request_id: str) -> Iterator[None]:
         """Work for one request: an exception in it (a policy that raises, a bug in a compaction) ends that request
-        alone. It is logged with its traceback and named in ``failed``; its moves, parks and restores of this step
-        are dropped; the engine's glue finishes it with an error (``take_failed``), which frees its blocks, while
-        every other request runs on. Without this, one request's exception stopped the engine for all of them."""
+        alone. It is logged with its traceback and named in ``failed``; in a ``plan_step`` it leaves the step at
+        once, with its moves, parks and restores (``StepWork.drop``); the engine's glue finishes it with an error
+        (``take_failed``), which frees its blocks, while every other request runs on. Without this, one request's
+        exception stopped the engine for all of them."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - whatever one request's decision raises is that request's failure
+            self._work.drop(request_id)
             if request_id not in self.failed:
                 logger.exception("vtoken: request %s failed while vToken decided for it; it ends with an error, "
                                  "the others run on", request_id)  # fmt: skip
@@ -376,215 +300,138 @@ class Compactor:
 
     def note_step(self, running: int, seconds: float) -> None:
         """The engine's step: how many requests ran, and the host time spent planning and recording."""
-        self.totals.peak_running = max(self.totals.peak_running, running)
-        self.totals.compaction_seconds += seconds
+        self.totals.note_step(running, seconds)
 
-    def note_worker(
-        self,
-        move_seconds: float,
-        bytes_moved: int,
-        tokens_moved: int = 0,
-        score_seconds: float = 0.0,
-        recall_bytes: int = 0,
-        recall_seconds: float = 0.0,
-    ) -> None:
-        """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
-        self.totals.recall_bytes += recall_bytes
-        self.totals.recall_seconds += recall_seconds
-        self.totals.score_seconds += score_seconds
-        self.totals.move_seconds += move_seconds
-        self.totals.bytes_moved += bytes_moved
-        self.totals.tokens_moved += tokens_moved
+    def note_worker(self, move_seconds: float, bytes_moved: int, **kw: Any) -> None:
+        """The worker's side of a step (records.py EngineTotals.note_worker: ``tokens_moved``, ``score_seconds``,
+        ``recall_bytes``, ``recall_seconds``), and moves made outside the compactor's plans (testing relocation)."""
+        self.totals.note_worker(move_seconds, bytes_moved, **kw)
 
     def stats(self, reset: bool = False, running: int = 0) -> dict[str, Any]:
-        """Per-request figures and the engine's totals (vtoken/core/records.py). Walks every request: for tests and
+        """Per-request figures and the engine's totals (vtoken/core/reporting.py core_stats): for tests and
         benchmarks. ``reset``: afterwards start peak_running (at ``running``) and the finished list afresh."""
-        reqs = {}
-        for rid, st in self.states.items():
-            reqs[st.record.request_id] = st.record.snapshot(st.table, len(self.blocks_of(rid)), len(st.ballast))
-        out = {"requests": reqs, **self.totals.summary(reqs, self.bs)}
-        out["parked_tokens"] = sum(st.parked.size for st in self.states.values())
-        out["tier_tokens"] = self.tier.capacity if self.tier is not None else 0
-        if reset:
-            self.totals.peak_running = running
-            self.totals.finished.clear()
-        return out
+        return core_stats(self.states, self.blocks_of, self.totals, self.bs, self.tier, reset, running)
 
     def report(self) -> CoreReport:
-        live, retained, naive = self.pool_totals()
-        admitted = tuple(sorted(st.record.request_id for st in self.states.values()))
-        t = self.totals
-        parked = sum(st.parked.size for st in self.states.values())
-        return CoreReport(live, retained, naive, admitted, t.blocks_freed, t.tokens_evicted, t.tokens_moved,
-                          t.compaction_seconds, t.preemptions, parked, self.tier.capacity if self.tier else 0,
-                          t.tokens_recalled, t.recalls, t.recall_bytes)  # fmt: skip
+        """The compactor in a few numbers, for a replica's frequent pool report (reporting.py core_report)."""
+        return core_report(self.states, self.blocks_of, self.totals, self.tier)
 
     # ---------------------------------------------------------------- before vLLM schedules
     def plan_step(self, progress: Iterable[Progress], waiting: Sequence[int] = (), watermark: int = 0) -> StepPlan:
         """``waiting`` (pressure mode): the tokens the first forward of each request waiting to be admitted reads,
         in the order the engine admits them; ``watermark``: blocks kept free on top of the demand. With them the
         shortfall is taken from the pool as it stands before this step's evictions; the running requests' next
-        forwards are added once their tables are synced."""
-        shortfall = self._waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
+        forwards are added once their tables are synced. A request that fails on the way leaves the step at once
+        (``StepWork.drop``): the later stages run for the others only, and the plan carries nothing of it."""
+        shortfall = self.pressure.waiting_shortfall(waiting, watermark) if self.pressure_active() else 0
         self.step += 1
-        moves: dict[str, MoveBatch] = {}
-        self._park, self._restore = [], []
-        todo = [(p, self.states[p.request_id]) for p in progress if p.request_id in self.states]
+        self._work = work = StepWork({p.request_id: (p, self.states[p.request_id]) for p in progress
+                                      if p.request_id in self.states})  # fmt: skip
         fresh = {}  # statistics are used by the decision that follows them, once
-        for p, st in todo:
+        for p, st in work.running():
             with self.isolated(st.request_id):
                 self._sync(st, p.num_computed)
             fresh[st.request_id], st.stats = st.stats, None
-        todo = [(p, st) for p, st in todo if st.request_id not in self.failed]
         joint: dict[str, dict] = {}  # pressure mode: requests that choose among live and parked tokens this step
-        for p, st in todo:
+        for p, st in work.running():
             with self.isolated(st.request_id):
                 stats = fresh[st.request_id]
-                if (st.phase is Phase.CHOOSING or self._recalls(st, stats)) and st.schedule.eager:
-                    # A choice is the request's one compaction of the step, so it comes after the shed is planned
-                    # and gives up the request's share in the same choice; chosen first, the request could not
-                    # shed, and a running request's growth found no block (issue 58: a recall at every step).
-                    joint[st.request_id] = stats
-                    continue
-                if st.phase is Phase.CHOOSING:
-                    batch = self._choose_with_parked(st, stats)
-                elif self._recalls(st, stats):
-                    batch = self._recall(st, stats, p.num_output)
+                if st.phase is Phase.CHOOSING or recalls(st, stats):
+                    if st.schedule.eager:
+                        # A choice is the request's one compaction of the step, so it comes after the shed is
+                        # planned and gives up the request's share in the same choice; chosen first, the request
+                        # could not shed, and a running request's growth found no block (issue 58).
+                        joint[st.request_id] = stats
+                        continue
+                    batch = self._choose_now(st, p, stats)
                 elif st.phase is Phase.KEEPING:
                     continue  # pressure mode: keeps every token until the pool runs short
                 else:
                     batch = self._evict_by_policy(st, p, stats)
                 if batch is not None:
-                    moves[st.request_id] = batch
-        if joint or any(st.phase is Phase.KEEPING for _, st in todo):
+                    work.moves[st.request_id] = batch
+        if joint or any(st.phase is Phase.KEEPING for _, st in work.running()):
             # a choice to come keeps the live count, so its blocks: its need counted now holds after it
-            shortfall += sum(self._need(st, p.next_tokens) for p, st in todo if st.request_id not in self.failed)
+            shortfall += sum(self.pressure.need(st, p.next_tokens) for p, st in work.running())
         if shortfall > 0:
-            for st, batch in self._shed(todo, fresh, shortfall, joint):
-                moves[st.request_id] = batch
-        for p, st in todo:  # the choices the shed left whole
-            if st.request_id in joint and st.compacted_at != self.step and st.request_id not in self.failed:
+            for st, batch in self._shed(work.running(), fresh, shortfall, joint):
+                work.moves[st.request_id] = batch
+        for p, st in work.running():  # the choices the shed left whole
+            if st.request_id in joint and st.compacted_at != self.step:
                 with self.isolated(st.request_id):
                     batch = self._choose_now(st, p, joint[st.request_id])
                     if batch is not None:
-                        moves[st.request_id] = batch
-        set_blocks: dict[str, list[int]] = {}
+                        work.moves[st.request_id] = batch
         if shortfall <= 0 and not waiting and self.tier is not None and self.mode == "vtoken":
-            for st, batch in self._reinflate(todo, watermark):
-                moves[st.request_id] = batch
-                set_blocks[st.request_id] = [b.block_id for b in self.blocks_of(st.request_id)]
+            for st, batch in self._reinflate(work.running(), watermark):
+                work.moves[st.request_id] = batch
+                work.set_blocks[st.request_id] = [b.block_id for b in self.blocks_of(st.request_id)]
         if self.mode == "naive":
-            for p, st in todo:
+            for p, st in work.running():
                 with self.isolated(st.request_id):
-                    self._settle_ballast(st, p.next_tokens)
-        ok = [st for _, st in todo if st.request_id not in self.failed]
-        keep = {rid: len(self.blocks_of(rid)) for rid in moves if rid not in self.failed}
+                    settle_ballast(st.ballast, st.table, p.next_tokens, self.bs, self.pool)
         gaps = {}
-        for st in ok:
+        for _, st in work.running():
             if st.gap != st.gap_sent:
                 gaps[st.request_id] = st.gap_sent = st.gap
         return StepPlan(
-            MoveBatch.concat([b for rid, b in moves.items() if rid not in self.failed]),
-            keep,
+            MoveBatch.concat(list(work.moves.values())),
+            {rid: len(self.blocks_of(rid)) for rid in work.moves},
             gaps,
-            MoveBatch.concat([b for rid, b in self._park if rid not in self.failed]),
-            MoveBatch.concat([b for rid, b in self._restore if rid not in self.failed]),
+            MoveBatch.concat([b for _, b in work.park]),
+            MoveBatch.concat([b for _, b in work.restore]),
             self.tier.drain_freed() if self.tier is not None else np.empty(0, np.int64),
-            {rid: b for rid, b in set_blocks.items() if rid not in self.failed},
+            dict(work.set_blocks),
         )
 
     def _reinflate(self, todo, watermark: int):
         """The pool has room beyond the watermark and nothing waits: pressure-mode requests that have read their
-        prompts get parked tokens back, the best first (their latest scores; across requests), into blocks taken
-        from the pool for them, as many as the room holds beside every running request's next forward, so a
-        pressure spell stops costing answers once it ends. (A request in ``always`` mode keeps to its budget: its
-        bound is what its user asked for.) Returns (request, its moves) for each."""
-        keepers = [(p, st) for p, st in todo if st.phase is Phase.KEEPING and not st.in_prefill and st.parked.size
-                   and st.compacted_at != self.step and st.request_id not in self.failed]  # fmt: skip
+        prompts get parked tokens back (vtoken/core/recall.py ``Recall.reinflation``), as many as the room holds
+        beside every running request's next forward, so a pressure spell stops costing answers once it ends.
+        Returns (request, its moves) for each."""
+        keepers = [(p, st) for p, st in todo if Recall.may_reinflate(st, self.step)]
         if not keepers:
             return []
-        spare = self.pool.get_num_free_blocks() - watermark - sum(self._need(st, p.next_tokens) for p, st in todo)
+        need = sum(self.pressure.need(st, p.next_tokens) for p, st in todo)
+        spare = self.pool.get_num_free_blocks() - watermark - need
         if spare <= 0:
             return []
-        owner = np.concatenate([np.full(st.parked.size, i) for i, (_, st) in enumerate(keepers)])
-        index = np.concatenate([np.arange(st.parked.size) for _, st in keepers])
-        score = np.concatenate([st.parked.score for _, st in keepers])
-        order = np.lexsort((index, owner, -score))  # best first; ties: the request first, then the oldest parked
-        owner, index = owner[order], index[order]
-        # the c-th token taken for a request needs a new block when it lands at the start of one past its blocks
-        by_owner = np.argsort(owner, kind="stable")
-        rank = np.empty(owner.size, np.int64)
-        starts = np.searchsorted(owner[by_owner], np.arange(len(keepers)))
-        rank[by_owner] = np.arange(owner.size) - np.repeat(starts, np.diff(np.append(starts, owner.size)))
-        phys = np.array([st.table.physical_len for _, st in keepers])[owner]
-        room = np.array([len(self.blocks_of(st.request_id)) * self.bs for _, st in keepers])[owner]
-        at = phys + rank  # the slot the token lands in
-        new_block = (at >= room) & ((at - room) % self.bs == 0)
-        taken = np.cumsum(new_block) <= spare
         done = []
-        for i, (p, st) in enumerate(keepers):
-            mine = index[taken & (owner == i)]
-            if not mine.size:
-                continue
+        for (p, st), mine in self.recall.reinflation(keepers, spare):
             with self.isolated(st.request_id):
-                blocks = self.blocks_of(st.request_id)
-                need = -(-(st.table.physical_len + mine.size) // self.bs) - len(blocks)
-                if need > 0:
-                    blocks.extend(self.pool.get_new_blocks(need))
-                back = Restore(st.parked.logical[mine], st.parked.tier[mine], st.parked.at_forward[mine])
-                st.parked.drop(mine)
-                self.totals.tokens_reinflated += int(mine.size)
-                done.append((st, self._compact(st, np.empty(0, np.int64), p.num_output, park=False, restore=back)[0]))
+                done.append((st, self.recall.reinflate(st, mine, p.num_output)))
         return done
 
     def admissible(self, waiting: Sequence[tuple[int, int, float]], watermark: int, chunk: int) -> int | None:
         """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be
-        admitted so that every request fits in the pool at its floor (vtoken/core/shedding.py admissible); None when
-        neither the engine nor any request, running or waiting, has a floor (the engine admits as it would).
-        ``waiting``: each one's (tokens, tokens its budget keeps of them, its floor: 0 in always mode). A request in
-        always mode reserves its budget, one in pressure mode its floor, each with the token it writes next; one
-        prefill chunk is set aside for all (a request reading its prompt holds its next chunk on top of its floor;
-        more than one such chunk at once sheds towards the budgets instead)."""
+        admitted so that every request fits in the pool at its floor (vtoken/core/shedding.py admit_at_floors);
+        None when neither the engine nor any request, running or waiting, has a floor (the engine admits as it
+        would). ``waiting``: each one's (tokens, tokens its budget keeps of them, its floor: 0 in always mode)."""
         if not (self.floored() or any(f > 0 for _, _, f in waiting)):
             return None
-        reserved = 0
+        running = []
         for st in self.states.values():
             length = max(st.prefill_len, st.table.num_logical)
-            reserved += reserved_blocks(length, st.keep(length), st.floor, 1, self.bs)
-        need = [reserved_blocks(n, keep, floor, 1, self.bs) for n, keep, floor in waiting]
-        return admissible(reserved, need, self.pool.num_gpu_blocks - 1 - watermark - -(-chunk // self.bs))
+            running.append((length, st.keep(length), st.floor))
+        return admit_at_floors(running, waiting, self.pool.num_gpu_blocks - 1, watermark, chunk, self.bs)
 
     def tier_admissible(self, waiting: Sequence[int]) -> int | None:
-        """How many of the waiting requests, in order, the parking tier admits: each reserves what it may park at
-        most (``waiting[i]``: its tokens at its longest less what its budget keeps of them; ``RequestState.
-        tier_need`` for the running ones), so a request is never admitted into a tier that cannot hold what it
-        will park (when it is full anyway, the oldest parked tokens go first: ``_make_room``). None without a tier.
-        With nothing running the first is admitted whatever it reserves (shedding.admissible)."""
+        """How many of the waiting requests, in order, the parking tier admits (vtoken/core/shedding.py
+        admit_to_tier; ``waiting[i]``: its ``tier_need``), so that this tier rarely has to free the oldest parked
+        tokens (``Recall.make_room``). None without a tier."""
         if self.tier is None:
             return None
-        reserved = sum(st.tier_need for st in self.states.values())
-        return admissible(reserved, [min(n, self.tier.capacity) for n in waiting], self.tier.capacity)
+        return admit_to_tier(sum(st.tier_need for st in self.states.values()), waiting, self.tier.capacity)
 
     def tier_need(self, policy: EvictionPolicy, max_len: int) -> int:
-        """What a request may park at most: its tokens at its longest less what its budget keeps (0 without a tier,
-        or for a policy that scores nothing and so parks nothing)."""
-        if self.tier is None or not policy.needs:
-            return 0
-        return max(0, int(max_len) - kept_tokens(int(max_len), policy.budget, policy.sink, policy.recent))
-
-    def _waiting_shortfall(self, waiting: Sequence[int], watermark: int) -> int:
-        """Blocks the waiting requests' first forwards need, plus the watermark, beyond the free ones."""
-        return sum(-(-t // self.bs) for t in waiting) + watermark - self.pool.get_num_free_blocks()
+        """What a request may park at most (vtoken/core/shedding.py tier_need; 0 without a tier)."""
+        return 0 if self.tier is None else tier_need(policy, max_len)
 
     def _to(self, st: RequestState, phase: Phase, why: str) -> None:
         """THE phase change of a request: checked against vtoken/core/phase.py's table, and logged."""
         check_phase(st.request_id, st.phase, phase, why)
         logger.debug("vtoken: request %s %s -> %s (%s)", st.request_id, st.phase, phase, why)
         st.phase = phase
-
-    def _need(self, st: RequestState, writing: int) -> int:
-        """Blocks the request's next forward takes from the pool (it writes ``writing`` tokens)."""
-        return max(-(-(st.table.physical_len + writing) // self.bs) - len(self.blocks_of(st.request_id)), 0)
 
     def _evict_by_policy(self, st: RequestState, p: Progress, stats) -> MoveBatch | None:
         victims = self._decide(st, p.num_output, stats)
@@ -595,22 +442,17 @@ class Compactor:
 
     def _shed(self, todo, fresh, shortfall: int, joint: dict[str, dict]):
         """Pressure mode: requests still keeping every token give back what the shortfall needs, with the fewest
-        tokens (vtoken/core/shedding.py: the order and why), each its lowest-scored candidates and never below its
-        budget; a request still reading its prompt parks what it sheds. A request in ``joint`` (request -> its
-        statistics) chooses among live and parked tokens this step: its choice keeps that many fewer live tokens,
-        the losers parked. Yields (request, its moves)."""
+        tokens (vtoken/core/pressure.py finds who may, vtoken/core/shedding.py plans how much: the order and why),
+        each its lowest-scored candidates and never below its budget; a request still reading its prompt parks
+        what it sheds. A request in ``joint`` (request -> its statistics) chooses among live and parked tokens this
+        step: its choice keeps that many fewer live tokens, the losers parked. Yields (request, its moves)."""
         found = []
         for p, st in todo:
             with self.isolated(st.request_id):
-                candidate = self._shed_candidate(st, p, fresh[st.request_id])
+                candidate = self.pressure.candidate(st, p, fresh[st.request_id], self.step)
                 if candidate is not None:
                     found.append(candidate)
-        holders = [f[0] for f in found]
-        if any(f[2].floor > 0 for f in found):
-            counts = plan_sheds_above(holders, [f[4] for f in found], shortfall, self.bs)
-        else:
-            counts = plan_sheds(holders, shortfall, self.bs)
-        for (_, p, st, ranked, _), count in zip(found, counts):
+        for (_, p, st, ranked, _), count in zip(found, self.pressure.plan(found, shortfall)):
             if not count:
                 continue
             batch = None
@@ -629,29 +471,6 @@ class Compactor:
             if batch is not None:
                 yield st, batch
 
-    def _shed_candidate(self, st: RequestState, p: Progress, stats):
-        """(its Holder, p, st, its candidates ranked, its tokens above its floor) of a request that may shed now,
-        or None."""
-        chooses = st.phase is Phase.CHOOSING and st.schedule.eager  # its choice sheds too (plan_step's ``joint``)
-        if not (st.phase is Phase.KEEPING or chooses) or (st.policy.needs and stats is None and st.known is None):
-            return None
-        if st.compacted_at == self.step:  # compacted already this step (one compaction a step)
-            return None
-        step = st.schedule.decision_step(st.table.num_logical, st.prefill_len, p.num_output, 0, shed=True)
-        if step is None:
-            return None
-        if stats is None and st.policy.needs:
-            stats = self._known(st)  # the latest statistics it was sent, for the tokens they cover
-        ranked = st.policy.ranked(self._input(st, step, stats))
-        most = min(st.table.num_live - st.keep(st.table.num_logical), ranked.size)
-        if most <= 0:
-            return None
-        writing = st.table.physical_len + p.next_tokens
-        holds = max(len(self.blocks_of(st.request_id)), -(-writing // self.bs))
-        n = st.table.num_logical
-        above = st.table.num_live - floor_tokens(n, st.keep(n), st.floor)
-        return Holder(writing, holds, most, st.in_prefill, st.request_id), p, st, ranked, max(above, 0)
-
     def _sync(self, st: RequestState, num_computed: int) -> None:
         """The table catches up with the tokens computed so far; the phase follows the prompt's progress."""
         new = num_computed - st.table.num_logical
@@ -666,27 +485,11 @@ class Compactor:
         if (
             st.phase in (Phase.READING, Phase.KEEPING)
             and not st.chose
-            and st.schedule.chooses(self._parked_while_reading(st), n, st.prefill_len)
+            and st.schedule.chooses(parked_while_reading(st), n, st.prefill_len)
         ):
             self._to(st, Phase.CHOOSING, f"the question read ({n} of {st.prefill_len}), {st.parked.size} parked")
         elif st.phase is Phase.READING and n >= st.prefill_len:
             self._to(st, Phase.DECODING, f"its prompt read ({n} tokens)")
-
-    @staticmethod
-    def _recalls(st: RequestState, stats) -> bool:
-        """A decoding request whose window was just scored over its parked tokens too: it chooses again."""
-        return (
-            stats is not None
-            and "parked:slots" in stats
-            and not st.in_prefill
-            and st.phase in (Phase.DECODING, Phase.KEEPING)
-        )
-
-    @staticmethod
-    def _parked_while_reading(st: RequestState) -> bool:
-        """Tokens parked before the prompt's last forward (a shed at the boundary right after it is a decoding
-        request's): what the choice with the question chooses among."""
-        return bool((st.parked.at_forward < len(st.record.prefill_chunks)).any())
 
     def _decide(self, st: RequestState, num_output: int, stats: dict[str, np.ndarray] | None) -> np.ndarray:
         excess = st.table.num_live - st.keep(st.table.num_logical)
@@ -702,23 +505,8 @@ class Compactor:
         if st.policy.needs:
             slots = st.table.slot_of[live]
             named = {name: stats[name][slots] for name in st.policy.needs}
-        return PolicyInput(st.table.num_logical, step, live, named, self._protected(st, live), st.record.seed)
-
-    def _protected_blocks(self, st: RequestState) -> int:
-        """Blocks at the head of the request's list that are never evicted from or moved: every block up to the
-        last one another request also holds (ref_cnt > 1, e.g. a cached prefix). Shared blocks are a prefix in
-        the usual case; after a cache entry was dropped mid-prefix, vLLM can hand a later request a mix of
-        copies, and a private block between two shared ones is then kept whole too (the planner moves nothing
-        below the protected length)."""
-        shared = np.flatnonzero([b.ref_cnt > 1 for b in self.blocks_of(st.request_id)])
-        return int(shared[-1]) + 1 if shared.size else 0
-
-    def _protected(self, st: RequestState, live: np.ndarray) -> np.ndarray | None:
-        """Tokens in protected blocks are never evicted (the paper's rule for shared blocks)."""
-        n = self._protected_blocks(st)
-        if not n:
-            return None
-        return st.table.slot_of[live] < n * self.bs
+        protected = protected_tokens(st.table, live, self.blocks_of(st.request_id), self.bs)
+        return PolicyInput(st.table.num_logical, step, live, named, protected, st.record.seed)
 
     def evict(self, st: RequestState, victims: np.ndarray, step: int = 0, park: bool = False) -> tuple[MoveBatch, int]:
         """Kill ``victims`` (logical positions), pack the survivors, shrink the block list, free what emptied.
@@ -731,9 +519,9 @@ class Compactor:
         self, st: RequestState, victims: np.ndarray, step: int, park: bool, restore: Restore | None = None
     ) -> tuple[MoveBatch, int]:
         """The one kill-park-pack-restore of a request in a step. ``park``: victims go to the tier (the oldest
-        parked tokens of any request make room when it is full, ``_make_room``; what still does not fit dies).
+        parked tokens of any request make room when it is full, ``Recall.take``; what still does not fit dies).
         ``restore``: parked tokens coming back (already taken out of ``st.parked``), into the slots right after
-        the packed survivors: the request's blocks must hold them (``_reinflate`` adds blocks first)."""
+        the packed survivors: the request's blocks must hold them (``Recall.reinflate`` adds blocks first)."""
         if st.compacted_at == self.step:
             raise CompactorError(f"request {st.request_id} compacted twice in step {self.step}")
         st.compacted_at = self.step
@@ -741,12 +529,12 @@ class Compactor:
         ids = [b.block_id for b in blocks]
         if restore is not None:  # their tier slots are free again: the worker fetches them before any park lands
             self.tier.give(restore.tier)
-        packed = kill_and_pack(st.table, victims, ids, self.bs, self._protected_blocks(st))
+        packed = kill_and_pack(st.table, victims, ids, self.bs, protected_blocks(blocks))
         holes, plan = packed.holes, packed.plan
-        tier = self._take_tier(len(victims)) if park and len(victims) else np.empty(0, np.int64)
+        tier = self.recall.take(len(victims), self.step) if park and len(victims) else np.empty(0, np.int64)
         if tier.size:  # parked: hidden from the next forward on, kept in the tier
             st.parked.add(victims[: tier.size], tier, st.record.forwards, self.step, step)
-            self._park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
+            self._work.park.append((st.request_id, MoveBatch(to_global_slots(holes[: tier.size], ids, self.bs), tier)))
             self.totals.tokens_parked += int(tier.size)
         st.record.record_deaths(victims[tier.size :], step)
         self.totals.tokens_evicted += len(victims) - int(tier.size)
@@ -759,7 +547,7 @@ class Compactor:
         if restore is not None and restore.logical.size:  # back right after the packed survivors
             slots = np.arange(plan.physical_len, plan.physical_len + restore.logical.size)
             st.table.revive(restore.logical, slots)
-            self._restore.append((st.request_id, MoveBatch(restore.tier, to_global_slots(slots, ids, self.bs))))
+            self._work.restore.append((st.request_id, MoveBatch(restore.tier, to_global_slots(slots, ids, self.bs))))
             st.record.record_restored(restore.logical, restore.at_forward)
             self.totals.tokens_restored += int(restore.logical.size)
             kept = -(-st.table.physical_len // self.bs)
@@ -776,110 +564,20 @@ class Compactor:
         self.totals.tokens_moved += plan.num_moves
         return packed.moves, kept
 
-    def _take_tier(self, n: int) -> np.ndarray:
-        """Up to ``n`` tier slots; when the tier has fewer free, the oldest parked tokens of any request are freed
-        for good to make room (tokens parked in this very step are not: their copies are already planned)."""
-        short = n - self.tier.num_free
-        if short > 0:
-            self._make_room(short)
-        return self.tier.take(n)
-
-    def _make_room(self, n: int) -> None:
-        """The tier is full: free the ``n`` oldest parked tokens (by ``Parked.seq``, across requests; ties: the
-        request admitted first), each evicted from the forward that parked it. One rule for what leaves the tier."""
-        who, idx, seq = [], [], []
-        for st in self.states.values():
-            old = np.flatnonzero(st.parked.seq < self.step)
-            if old.size:
-                who += [st] * old.size
-                idx.append(old)
-                seq.append(st.parked.seq[old])
-        if not who:
-            return
-        idx, seq = np.concatenate(idx), np.concatenate(seq)
-        order = np.argsort(seq, kind="stable")[:n]
-        owners = np.array([id(st) for st in who], dtype=np.int64)[order]
-        for st in {id(s): s for s in who}.values():
-            mine = idx[order][owners == id(st)]
-            if mine.size:
-                self._discard(st, mine)
-                self.totals.tokens_dropped_full += int(mine.size)
-
     def _choose_now(self, st: RequestState, p: Progress, stats, shed: int = 0) -> MoveBatch | None:
-        """The choice among live and parked tokens a request makes this step: with the question, or a recall."""
+        """A request's choice among live and parked tokens this step: with the question, or a recall."""
         if st.phase is Phase.CHOOSING:
             return self._choose_with_parked(st, stats, shed)
-        return self._recall(st, stats, p.num_output, shed)
+        return self.recall.while_decoding(st, stats, p.num_output, shed)
 
     def _choose_with_parked(self, st: RequestState, stats: dict[str, np.ndarray] | None, shed: int = 0):
         """The decision of a ``choosing`` request: its live and parked tokens chosen by the last chunk's window
-        over both (``_choose``), then back to reading, decoding or keeping. ``shed``: pressure mode's share of a
-        shortfall, given up in the same choice."""
+        over both (``Recall.choose``), then back to reading, decoding or keeping. ``shed``: pressure mode's share
+        of a shortfall, given up in the same choice."""
         keep = st.table.num_live - shed if st.schedule.eager else None  # pressure mode keeps as many as it holds
-        batch = self._choose(st, stats, keep, step=0)
+        batch = self.recall.choose(st, stats, keep, step=0)
         self._chosen(st)
         return batch
-
-    def _recall(self, st: RequestState, stats: dict[str, np.ndarray], num_output: int, shed: int = 0):
-        """Recall while decoding: the request's decode window scored over its live and parked keys (one softmax)
-        chooses again among both. A decoding request keeps to its budget (the decision its decode step was due
-        anyway), a keeping one (pressure mode) as many tokens as it holds, less ``shed`` (its share of a
-        shortfall, ``_shed``): parked winners swap with live losers, so the live count, and the blocks, stay the
-        same, or shrink by what the pool is short."""
-        keep = st.keep(st.table.num_logical) if st.phase is Phase.DECODING else st.table.num_live - shed
-        self.totals.recalls += 1
-        return self._choose(st, stats, keep, step=num_output)
-
-    def _choose(self, st: RequestState, stats, keep: int | None, step: int) -> MoveBatch | None:
-        """The policy chooses among live and parked tokens by a window over both (``parked:<name>`` statistics,
-        aligned with the tier slots it scored): live losers are parked (they die only when the tier has no room),
-        parked winners come back into the slots the packing frees, parked losers stay parked. ``keep``: live tokens
-        after the choice (None: the budget's target). Without parked statistics (not expected) nothing changes."""
-        parked = st.parked
-        names = st.policy.needs
-        if stats is None or any(f"parked:{n}" not in stats for n in names) or not parked.size:
-            return None
-        scored = self._parked_scores(st, stats, names)
-        live = st.table.live_logical()
-        slots = st.table.slot_of[live]
-        everyone = np.concatenate([live, parked.logical])
-        order = np.argsort(everyone, kind="stable")
-        named = {n: np.concatenate([stats[n][slots], scored[n]])[order] for n in names}
-        protected = self._protected(st, live)
-        if protected is not None:
-            protected = np.concatenate([protected, np.zeros(parked.size, bool)])[order]
-        inp = PolicyInput(st.table.num_logical, 0, everyone[order], named, protected, st.record.seed)
-        victims = st.policy.select(inp, keep=keep)
-        parked.score = scored[names[0]]
-        win = np.flatnonzero(~np.isin(parked.logical, victims))
-        room = len(self.blocks_of(st.request_id)) * self.bs - (live.size - int(np.isin(live, victims).sum()))
-        win = win[np.argsort(-parked.score[win], kind="stable")][: max(room, 0)]  # (never expected: no room)
-        dead = victims[~np.isin(victims, parked.logical)]
-        if not dead.size and not win.size:
-            return None
-        back = Restore(parked.logical[win], parked.tier[win], parked.at_forward[win])
-        parked.drop(win)
-        self.totals.tokens_recalled += int(win.size) if step else 0
-        batch, _ = self._compact(st, np.sort(dead), step, park=self.tier is not None, restore=back)
-        return batch
-
-    def _parked_scores(self, st: RequestState, stats, names) -> dict[str, np.ndarray]:
-        """Each parked token's ``parked:<name>`` statistic, by the tier slot it was scored at (``parked:slots``;
-        without it, in parking order). A token parked after the scoring has none (-inf: it stays parked)."""
-        asked = stats.get("parked:slots")
-        out = {}
-        for n in names:
-            values = np.asarray(stats[f"parked:{n}"], dtype=np.float64)
-            if asked is None:
-                out[n] = values[: st.parked.size]
-                continue
-            asked = np.asarray(asked, dtype=np.int64)
-            order = np.argsort(asked, kind="stable")
-            at = np.searchsorted(asked[order], st.parked.tier)
-            at = np.minimum(at, asked.size - 1)
-            found = asked[order][at] == st.parked.tier
-            out[n] = np.where(found, values[order][at], -np.inf)
-        return out
 
     def _chosen(self, st: RequestState) -> None:
         st.chose = True  # once a run: later its parked tokens come back by recall (decoding) or re-inflation
@@ -889,33 +587,6 @@ class Compactor:
             phase = Phase.READING if st.in_prefill else Phase.DECODING
         self._to(st, phase, "live and parked tokens chosen with the question")
 
-    def _discard(self, st: RequestState, which: np.ndarray) -> None:
-        """Parked tokens freed for good: evicted, in the trace, from the forward that parked them."""
-        p = st.parked
-        which = np.asarray(which, dtype=np.int64)
-        if not which.size:
-            return
-        st.record.record_deaths(p.logical[which], 0, at_forward=p.at_forward[which], at_step=p.at_step[which])
-        self.totals.tokens_evicted += int(which.size)
-        self.tier.give(p.tier[which])
-        p.drop(which)
-
-    def _settle_ballast(self, st: RequestState, writing: int) -> None:
-        """Naive mode: hold exactly the blocks Naive-Evict would hold beyond what the packed layout needs, for
-        the forward that writes ``writing`` new tokens. Extra ballast goes back to the pool; missing ballast is
-        taken from it while it lasts."""
-        packed = -(-(st.table.physical_len + writing) // self.bs)
-        want = max(st.table.naive_blocks(writing) - packed, 0)
-        held = st.ballast
-        if len(held) > want:
-            extra = held[want:]
-            del held[want:]
-            self.pool.free_blocks(reversed(extra))
-        elif len(held) < want:
-            n = min(want - len(held), self.pool.get_num_free_blocks())
-            if n:
-                held.extend(self.pool.get_new_blocks(n))
-
     # ---------------------------------------------------------------- after vLLM scheduled
     def stop_short(self, request_id: str, new_tokens: int, num_computed_after: int) -> bool:
         """Should this forward stop one token before the end of the prompt (Schedule.stops_short)?"""
@@ -924,7 +595,7 @@ class Compactor:
 
     def scheduled(self, request_id: str, new_tokens: int, num_computed_after: int, num_output: int) -> ScoreAsk | None:
         """A forward of ``new_tokens`` tokens runs this step (vLLM already counted them as computed and allocated
-        their blocks). Records it and returns what the worker should score, or None."""
+        their blocks). Records it and returns what the worker should score, or None (vtoken/core/score_ask.py)."""
         st = self.states[request_id]
         before = num_computed_after - new_tokens
         prefill = before < st.prefill_len
@@ -937,83 +608,17 @@ class Compactor:
         slack = 0 if prefill else sched.slack - 1  # a decoding request holds up to slack - 1 tokens above its keep
         bound = forward_bound(before, new_tokens, self.bs, p.budget, p.sink, p.recent, slack)
         st.record.forward(new_tokens, prefill, held, naive, -(-(live + new_tokens) // self.bs), bound)
-        if not p.needs:
-            return None
-        if not prefill:  # decode
-            excess = live + new_tokens - st.keep(num_computed_after)
-            decides = st.phase is Phase.DECODING and sched.decides_after(excess)
-            observe, export, window = sched.decode_ask(num_output + 1, decides)  # the step this forward completes
-            if st.phase is Phase.KEEPING and observe:
-                export = True  # pressure mode, per-step statistics: a shed may come at any step
-            parked = st.parked.size > 0 and sched.recall_every > 0
-            record = sched.on_demand and (st.phase is Phase.DECODING or parked)
-            # A decoding request recalls at its own decisions (once per slack); a keeping one every recall_every.
-            due = window if st.phase is Phase.DECODING else sched.recalls_at(num_output + 1, st.recalled_at)
-            recall = parked and due
-            if recall:  # its window is scored over live and parked keys, and the next decision chooses among both
-                window, st.recalled_at = True, num_output + 1
-            if not (observe or record):
-                return None
-            return ScoreAsk(int(observe), p.needs if export else (), record=record, window=p.needs if window else (),
-                            window_parked=st.parked.tier.copy() if recall else None)  # fmt: skip
-        over = live + new_tokens > p.target(num_computed_after)
-        queries = sched.chunk_queries(new_tokens, num_computed_after, st.prefill_len, over)
-        if sched.scores_jointly(st.parked.size > 0, num_computed_after, st.prefill_len):
-            # All but the prompt's last token: the question. Every query of this chunk attends the live and the
-            # parked keys in one softmax, so its hidden states, its window's scores (which choose the survivors)
-            # and the first answer token see the whole prompt; the choice follows, and the last token's forward,
-            # which samples, sees the survivors.
-            st.record.saw_parked(st.parked.logical)
-            return ScoreAsk(min(st.window, new_tokens), p.needs, st.parked.tier.copy())
-        return ScoreAsk(queries, p.needs) if queries else None
+        return score_ask(st, new_tokens, num_computed_after, num_output, prefill)
 
     def foresee(
         self, scheduled: dict[str, int], waiting: Sequence[int], watermark: int, chunk: int, lead: int
     ) -> tuple[list[str], dict[str, tuple[str, ...]]]:
-        """Pressure mode, after vLLM scheduled this step: may the pool run short soon? ``scheduled``: this step's
-        forwards (request -> new tokens, blocks already allocated); ``waiting``, ``watermark``: as for
-        ``plan_step``; ``chunk``: the engine's largest prefill forward; ``lead``: the decode window's length.
-
-        Returns (record, score): the decoding requests that keep every token (on-demand policies) whose query this
-        forward adds to their window, because the pool may run short within ``lead`` steps; and those whose window
-        is scored after this forward (with the statistics to send back), because it may run short at the next
-        step, whose shed then judges the request's live tokens by its recent queries (the window a decision in
-        always mode scores), at most once per ``slack`` decode steps a request, as decisions come in always mode.
-        While the pool is far from short: nothing, so a request that keeps every token costs its decode steps
-        nothing. A shortfall nobody foresaw (a burst of arrivals) sheds by the latest statistics sent."""
-        decoders, need_next, need_lead = [], 0, 0  # decoders: (keeper, logical length after, may score again)
-        for rid, n in scheduled.items():
-            st = self.states.get(rid)
-            if st is None:
-                continue
-            after = st.table.num_logical + n  # this step's forward writes n tokens
-            left = st.prefill_len - after
-            need_next += self._need(st, n + (min(left, chunk) if left > 0 else 1))  # as plan_step counts it
-            need_lead += self._need(st, n + (min(left, chunk * lead) if left > 0 else lead))
-            if st.phase is Phase.KEEPING and st.schedule.on_demand and after > st.prefill_len:
-                last = st.window_scored_at
-                decoders.append((st, after, last < 0 or after - last >= st.schedule.slack))
-        base = self._waiting_shortfall(waiting, watermark)
-        if not decoders or base + need_lead <= 0:
-            return [], {}
-        score = {}
-        if base + need_next > 0:  # at most once per ``slack`` decode steps a request, as decisions in always mode
-            for st, after, ready in decoders:
-                if ready:
-                    score[st.request_id] = st.policy.needs
-                    st.window_scored_at = after
-        return [st.request_id for st, _, _ in decoders], score
+        """Pressure mode, after vLLM scheduled this step: may the pool run short soon? Returns the keeping decoders
+        whose query this forward adds to their window, and those whose window is scored after it, with the
+        statistics to send back (vtoken/core/pressure.py ``Pressure.foresee``)."""
+        return self.pressure.foresee(scheduled, waiting, watermark, chunk, lead)
 
     # ---------------------------------------------------------------- observability
-    def pool_totals(self) -> tuple[int, int, int]:
-        """(live tokens, retained blocks, Naive-Evict's blocks) over every request: O(requests + blocks)."""
-        live = retained = naive = 0
-        for st in self.states.values():
-            live += st.table.num_live
-            retained += len(self.blocks_of(st.request_id)) + len(st.ballast)
-            naive += st.table.naive_blocks()
-        return live, retained, naive
-
     def check_integrity(self, moves: MoveBatch | None = None) -> None:
         """Blocks against TokenTables, ballast disjoint from every block list, parked tokens only where a phase
         has them, a step's moves well formed."""

@@ -34,3 +34,22 @@ def kill_and_pack(
         to_global_slots(plan.src, block_ids, block_size), to_global_slots(plan.dst, block_ids, block_size)
     )
     return Packed(moves, holes, plan)
+
+
+def protected_blocks(blocks: list) -> int:
+    """Blocks at the head of a request's list (``blocks``: objects with ``ref_cnt``) that are never evicted from or
+    moved: every block up to the last one another request also holds (ref_cnt > 1, e.g. a cached prefix). Shared
+    blocks are a prefix in the usual case; after a cache entry was dropped mid-prefix, vLLM can hand a later
+    request a mix of copies, and a private block between two shared ones is then kept whole too (the planner moves
+    nothing below the protected length)."""
+    shared = np.flatnonzero([b.ref_cnt > 1 for b in blocks])
+    return int(shared[-1]) + 1 if shared.size else 0
+
+
+def protected_tokens(table: TokenTable, live: np.ndarray, blocks: list, block_size: int) -> np.ndarray | None:
+    """Which of the ``live`` tokens sit in protected blocks (``protected_blocks``) and are never evicted (the
+    paper's rule for shared blocks); None when no block is protected."""
+    n = protected_blocks(blocks)
+    if not n:
+        return None
+    return table.slot_of[live] < n * block_size

@@ -2,8 +2,8 @@
 choice) leaves vLLM's pool but is kept in a second tier outside the KV budget (host memory; on a CPU machine a
 tensor of its own that the pool does not count) while the tier has room. Scheduler side, plain NumPy; the
 worker's half is vtoken/kv/tier.py. When the tier is full, the oldest parked tokens of any request are freed for
-good first (``Parked.seq``); admission reserves what each request may park (Compactor.tier_admissible), so that
-this is rare.
+good first (``Parked.seq``, recall.py ``Recall.take``); admission reserves what each request may park
+(shedding.py ``admit_to_tier``), so that this is rare.
 
 Why: a decision can only judge tokens by the queries seen so far. Between prefill chunks the question at the end
 of a prompt is not known yet, and while decoding a 32-token answer needs different parts of a document at
@@ -18,10 +18,10 @@ window of queries asks for it.
     token n - 1      its forward samples the first output token, and sees the survivors
     decoding         recall: every ``recall_every`` decode steps (and at each decision of a request keeping to its
                      budget) the request's window of recent decode queries is scored over live + parked keys, and
-                     it chooses again among both (Compactor._recall); page boxes of the parked keys pick which
-                     parked tokens are scored exactly (vtoken/kv/query_window.py score_with_parked)
+                     it chooses again among both (recall.py ``Recall.while_decoding``); page boxes of the parked
+                     keys pick which parked tokens are scored exactly (vtoken/kv/query_window.py score_with_parked)
     room again       pressure mode: when the pool has room beyond the watermark and nothing waits, parked tokens
-                     come back, the best first (Compactor._reinflate)
+                     come back, the best first (recall.py Recall.reinflation)
     the end          what is still parked was hidden from the forward that parked it: evicted from there
 
 The trace says when each restored token was parked and restored (each time), so the masked reference hides it

@@ -15,6 +15,7 @@ Blocks are counted DURING a forward, after vLLM allocated the blocks its new tok
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +180,28 @@ class EngineTotals:
     finished: list[dict[str, Any]] = field(default_factory=list)
     keep_finished: int = 1000  # a long-running server keeps the last this many finished records
 
+    def note_step(self, running: int, seconds: float) -> None:
+        """The engine's step: how many requests ran, and the host time spent planning and recording."""
+        self.peak_running = max(self.peak_running, running)
+        self.compaction_seconds += seconds
+
+    def note_worker(
+        self,
+        move_seconds: float,
+        bytes_moved: int,
+        tokens_moved: int = 0,
+        score_seconds: float = 0.0,
+        recall_bytes: int = 0,
+        recall_seconds: float = 0.0,
+    ) -> None:
+        """The worker's side of a step (and moves made outside the compactor's plans, e.g. testing relocation)."""
+        self.recall_bytes += recall_bytes
+        self.recall_seconds += recall_seconds
+        self.score_seconds += score_seconds
+        self.move_seconds += move_seconds
+        self.bytes_moved += bytes_moved
+        self.tokens_moved += tokens_moved
+
     def add_finished(self, record: RequestRecord) -> None:
         self.finished.append({"request_id": record.request_id, **(record.final or {})})
         del self.finished[: -self.keep_finished]
@@ -233,6 +256,27 @@ class TraceBook:
         """The run of ``record`` ended by a preemption: kept for the request's next run."""
         run = {k: v for k, v in record.trace().items() if k not in ("preempted_runs", "logprobs")}
         self._resume[request_id] = (record.request_id, record.earlier + [run], record.logprobs)
+
+    def ended(
+        self,
+        request_id: str,
+        record: RequestRecord | None,
+        finished: bool,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+    ) -> dict[str, Any] | None:
+        """A run ended: a preempted one is kept for the next run (None); a finished request's trace line is
+        returned (None when it never ran). ``record``: the run's (None: it ended while waiting to resume)."""
+        if not finished:
+            if record is not None:
+                self.preempted(request_id, record)
+            return None
+        line = self.finished(request_id, record)
+        if line is None:
+            return None
+        caller, fields = line
+        return {"request_id": caller, "prompt_token_ids": list(prompt_ids), "output_token_ids": list(output_ids),
+                **fields}  # fmt: skip
 
     def finished(self, request_id: str, record: RequestRecord | None) -> tuple[str, dict[str, Any]] | None:
         """The caller's id and the audit fields of a finished request's trace line; ``record`` None: it finished

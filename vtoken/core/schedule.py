@@ -27,8 +27,9 @@ boundary may shed; a decoding request that keeps every token has its window reco
 pool may run short soon, which is a question about the pool, not the request (``Compactor.foresee``; ``slack``
 still spaces the scorings).
 
-Recall (vtoken/core/compactor.py ``_recall``): a decoding request with parked tokens has its window scored over its live
-and parked keys every ``recall_every`` decode steps (and at each of its decisions), and chooses again among both.
+Recall (vtoken/core/recall.py ``Recall.while_decoding``): a decoding request with parked tokens has its window
+scored over its live and parked keys every ``recall_every`` decode steps (and at each of its decisions), and
+chooses again among both.
 
 Parking (vtoken/core/park.py) adds two points, both for a request with parked tokens: the prompt's last chunk stops one
 token short (``stops_short``), so that chunk (the question) attends the live and the parked keys together

@@ -25,12 +25,20 @@ forwards need more), over what lies between floor and budget (``plan_sheds_above
 pass sufficient for the waiting requests: one is admitted only while every request fits at its floor
 (``admissible``, ``reserved_blocks``); otherwise it waits, as in stock vLLM, instead of being paid for with
 answers.
+
+Admission's rules live here, beside ``admissible``, because they are the other half of the same promise: at the
+floors (``admit_at_floors``), and in the parking tier (``admit_to_tier``: each request reserves what it may park
+at most, ``tier_need``). The compactor asks them with its running requests' figures (Compactor.admissible,
+Compactor.tier_admissible).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
+
+from vtoken.core.budget import kept_tokens
 
 
 class Holder(NamedTuple):
@@ -115,3 +123,41 @@ def admissible(reserved: int, waiting: list[int], capacity: int) -> int:
         reserved += need
         k += 1
     return k
+
+
+def admit_at_floors(
+    running: Iterable[tuple[int, int, float]],
+    waiting: Sequence[tuple[int, int, float]],
+    pool_blocks: int,
+    watermark: int,
+    chunk: int,
+    block_size: int,
+) -> int:
+    """``pressure_floor``: how many of the waiting requests, in the order the engine admits them, may be admitted so
+    that every request fits in the pool at its floor (``admissible``). Each request, running or waiting, is (its
+    tokens, the tokens its budget keeps of them, its floor: 0 in always mode): one in always mode reserves its
+    budget, one in pressure mode its floor, each with the token it writes next. ``pool_blocks`` (usable blocks) less
+    the ``watermark`` is what they share; one prefill chunk (``chunk`` tokens) is set aside for all (a request
+    reading its prompt holds its next chunk on top of its floor; more than one such chunk at once sheds towards
+    the budgets instead)."""
+    reserved = 0
+    for length, keep, floor in running:
+        reserved += reserved_blocks(length, keep, floor, 1, block_size)
+    need = [reserved_blocks(n, keep, floor, 1, block_size) for n, keep, floor in waiting]
+    return admissible(reserved, need, pool_blocks - watermark - -(-chunk // block_size))
+
+
+def tier_need(policy, max_len: int) -> int:
+    """What a request may park at most: its tokens at its longest (``max_len``) less what its budget keeps (0 for
+    a policy that scores nothing, and so parks nothing)."""
+    if not policy.needs:
+        return 0
+    return max(0, int(max_len) - kept_tokens(int(max_len), policy.budget, policy.sink, policy.recent))
+
+
+def admit_to_tier(reserved: int, waiting: Sequence[int], capacity: int) -> int:
+    """How many of the waiting requests, in order, a parking tier of ``capacity`` slots admits: the running ones
+    reserve ``reserved`` slots together (their ``tier_need``), each waiting one ``waiting[i]`` (at most the whole
+    tier), so a request is never admitted into a tier that cannot hold what it will park. With nothing running the
+    first is admitted whatever it reserves (``admissible``)."""
+    return admissible(reserved, [min(n, capacity) for n in waiting], capacity)

@@ -30,8 +30,9 @@ from vllm.v1.request import RequestStatus
 
 from vtoken.config import CONFIG_KEY, RequestConfigs, VTokenConfig
 from vtoken.core.budget import kept_tokens
-from vtoken.core.compactor import Compactor, Progress, StepPlan
+from vtoken.core.compactor import Compactor
 from vtoken.core.park import TierSlots
+from vtoken.core.step import Progress, StepPlan
 from vtoken.pool_report import PoolReport
 from vtoken.vllm_adapter.engine import tier_tokens
 from vtoken.vllm_adapter.messages import VTokenStep, VTokenWorkerOutput

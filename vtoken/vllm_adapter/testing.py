@@ -19,9 +19,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from vtoken.config import VTokenConfig
-from vtoken.core.compactor import StepPlan
 from vtoken.core.move_batch import MoveBatch
 from vtoken.core.planner import to_global_slots
+from vtoken.core.step import StepPlan
 from vtoken.kv.mover import Mover
 from vtoken.vllm_adapter import engine as engine_mod
 from vtoken.vllm_adapter.engine import TESTING_KEY
