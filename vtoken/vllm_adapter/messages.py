@@ -31,7 +31,7 @@ class VTokenStep:
     # requests whose window is scored after this forward (req -> statistics to send back).
     record: tuple[str, ...] = ()
     window: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # Recall (vtoken/core/compactor.py _recall): requests whose window is scored over these tier slots too; tier slots
+    # Recall (vtoken/core/recall.py): requests whose window is scored over these tier slots too; tier slots
     # the scheduler freed this step (the tier's page boxes follow); requests whose block list grew (re-inflation).
     window_parked: dict[str, np.ndarray] = field(default_factory=dict)
     tier_freed: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
