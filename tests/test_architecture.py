@@ -232,10 +232,15 @@ def test_no_import_crosses_a_wall():
     ],
 )
 def test_each_wall_fails_on_a_planted_violation(module, planted):
+    assert caught(module, planted, wall_breaches)
+
+
+def caught(module: str, planted: str, check) -> bool:
+    """Whether ``check`` (imports -> breaches) names ``module -> planted`` once that import is planted."""
     imports = all_imports()
     assert module in imports, f"{module} moved: plant the violation elsewhere"
     imports[module] = imports[module] | {planted}
-    assert any(b.startswith(f"{module} -> {planted} ") for b in wall_breaches(imports))
+    return any(b.startswith(f"{module} -> {planted} ") for b in check(imports))
 
 
 def test_cluster_imports_run_only_down_its_floors():
@@ -257,10 +262,7 @@ def test_every_cluster_module_stands_on_a_floor():
     ],
 )
 def test_each_floor_fails_on_a_planted_upward_import(module, planted):
-    imports = all_imports()
-    assert module in imports, f"{module} moved: plant the violation elsewhere"
-    imports[module] = imports[module] | {planted}
-    assert any(b.startswith(f"{module} -> {planted} ") for b in upward(imports))
+    assert caught(module, planted, upward)
 
 
 def test_a_floor_may_import_its_own_floor_and_those_below():
