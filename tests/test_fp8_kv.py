@@ -39,6 +39,7 @@ MODES = {
     "evicting": (H2O, {}),
     "naive": ({"mode": "naive", "policy": "h2o", **EVICT}, {}),
     "pressure, parking, recall": (PRESSURE_CFG, SHORT_FP8),
+    "pressure with a floor": ({**PRESSURE_CFG, "pressure_floor": 0.5}, SHORT_FP8),
     "recall every step": ({**ALWAYS_CFG, "recall_every": 1}, {}),
     "prefix hits": (H2O, {"shared_prefix": 64, "rounds": 2}),
 }

@@ -113,9 +113,10 @@ def _generate(llm, requests: list[tuple[list[int], str | None]], max_tokens: int
 
 
 @functools.cache
-def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
+def session(mode: str, tp: int = 2, controls: bool = False, kv_cache_dtype: str = "auto") -> Session:
     """One TP engine serving test_vllm_engine's TP=1 requests (prompts, per-request policies, order). With
-    ``controls``, then h2o with rank 0's scores only, then a rank that fails to apply a plan."""
+    ``controls``, then h2o with rank 0's scores only, then a rank that fails to apply a plan. ``kv_cache_dtype``:
+    vLLM's (fp8: every rank's cache slice is fp8, moved as bytes)."""
     import torch
     from vllm import LLM
 
@@ -150,6 +151,7 @@ def session(mode: str, tp: int = 2, controls: bool = False) -> Session:
                 max_model_len=1024,
                 seed=0,
                 kv_cache_memory_bytes=KV_BYTES // tp,
+                kv_cache_dtype=kv_cache_dtype,
                 skip_tokenizer_init=True,
                 enforce_eager=True,
                 tensor_parallel_size=tp,
@@ -283,6 +285,22 @@ def test_exchange_cost_is_counted_on_every_rank():
         assert r["score_steps"] >= len(chunked().tokens[0]) - 1 and r["score_bytes_per_step"] > 0
         assert r["check_steps"] > 0
     assert ranks[0]["score_bytes"] == ranks[1]["score_bytes"]
+
+
+@pytest.mark.timeout(900)
+def test_vtoken_at_tp2_on_an_fp8_cache_is_exact():
+    """Each rank moves the fp8 bytes of its own KV head; the tokens match the reference that reads the cache as
+    stored (tests/test_fp8_kv.py check_fp8), and not the one that does not quantise (the negative control)."""
+    import torch
+    from test_fp8_kv import FP8_CPU, check_fp8
+
+    if not torch.cuda.is_available() and not FP8_CPU:
+        pytest.skip("vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
+    two = session("vtoken", kv_cache_dtype="fp8").rounds["main"]
+    assert len(two.trace) == 9 and all(len(e) > 20 for e in evicted(two)), "the check needs real evictions"
+    check_fp8(two, "fp8")
+    with pytest.raises(AssertionError):
+        check_fp8(two, None)
 
 
 # ------------------------------------------------------------------ fault behaviour
