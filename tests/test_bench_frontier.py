@@ -122,3 +122,55 @@ def test_the_plot_draws_a_labelled_point_per_configuration_that_ran():
     labels = {t.get_text() for t in fig.axes[0].texts}
     plt.close(fig)
     assert labels == {"stock", "stock-fp8", "vtoken-0.25-floor"}
+
+
+def test_the_defaults_are_chosen_on_the_tuning_suite_alone():
+    """The best served-correct goodput on niah wins; a better held-out share does not (it only shows the cost),
+    and neither stock nor vToken on another KV dtype is a candidate."""
+    result = _result()
+    result["configs"].update(
+        {
+            # 0.30 x 18/24 = 0.225, the best on the tuning suite, though the worst held out
+            "vtoken-0.25": _config("vtoken-0.25", 0.30, _answers(niah=(18, 24), multi=(2, 20), agree=(2, 20))),
+            # 0.20 x 24/24 = 0.2, every held-out answer kept
+            "vtoken-0.5": _config("vtoken-0.5", 0.20, _answers(niah=(24, 24), multi=(20, 20), agree=(20, 20))),
+            # fp8 0.9 x 24/24: not a candidate (the KV dtype is the user's lever)
+            "vtoken-fp8-0.25": _config("vtoken-fp8-0.25", 0.9, _answers(niah=(24, 24), multi=(1, 20))),
+        }
+    )
+    cands, best = frontier.choice(result)  # vtoken-0.25-floor: 0.5 x 12/24 = 0.25 > 0.225
+    assert cands == ["vtoken-0.25-floor", "vtoken-0.25", "vtoken-0.5"] and best == "vtoken-0.25-floor"
+    result["configs"]["vtoken-0.25-floor"]["answers"]["niah"] = _answers(niah=(10, 24))["niah"]  # 0.208
+    assert frontier.choice(result)[1] == "vtoken-0.25"
+    table = frontier.tables(result)[1]
+    assert table.title.startswith("The defaults") and table.rows[0][0] == "**vtoken-0.25**"
+    assert "The best, in bold: vtoken-0.25." in table.note
+
+
+def test_the_shipped_defaults_are_the_committed_frontiers_choice():
+    """vtoken/config.py's budget, floor and recall are the best tuning-suite goodput of docs/results/frontier.json:
+    a new frontier run that chooses otherwise fails here until the defaults follow it (or say why not)."""
+    import json
+    from pathlib import Path
+
+    from vtoken.config import SHIPPED_BUDGET, VTokenConfig
+
+    result = json.loads((Path(__file__).parents[1] / "docs/results/frontier.json").read_text())
+    _, best = frontier.choice(result)
+    chosen = result["configs"][best]["settings"]
+    shipped = VTokenConfig()
+    assert (
+        (chosen["budget"], chosen["vtoken"]["pressure_floor"])
+        == (SHIPPED_BUDGET, shipped.pressure_floor)
+        == (
+            shipped.budget,
+            shipped.pressure_floor,
+        )
+    )
+    recall = chosen["vtoken"].get("recall_every", 16)
+    norecall = result["configs"].get("vtoken-0.5-norecall")
+    with_recall = result["configs"].get("vtoken-0.5")
+    # recall: off when, at the same budget, it finds no more needles on the tuning suite than no recall
+    assert norecall and with_recall, "the frontier compares recall with none"
+    buys = with_recall["answers"]["niah"]["hits"] > norecall["answers"]["niah"]["hits"]
+    assert shipped.recall_every == (recall if buys else 0)

@@ -4,11 +4,13 @@ Every configuration gets a KV pool of the same BYTES (``--kv-bytes``; an fp8 cac
 
   stock              vToken off, kv_cache_dtype auto (the model's dtype)
   stock-fp8          vToken off, kv_cache_dtype fp8
-  vtoken-0.5         vToken (snapkv, pressure mode, the served defaults) at budget 0.5
+  vtoken-0.5         vToken (snapkv, pressure mode, the parking tier, recall every ``--recall-every`` decode
+                     steps: the served defaults of 12-06) at budget 0.5
   vtoken-0.25        the same at 0.25
   vtoken-0.25-floor  the same at 0.25 with ``pressure_floor`` ``--floor``: admission keeps that share of every
                      running request's tokens, so requests wait instead of shedding below it
-  vtoken-0.5-norecall  vtoken-0.5 without recall (``recall_every`` 0): what recall buys, for its default
+  vtoken-0.5-norecall  vtoken-0.5 without recall (``recall_every`` 0): what recall buys (the others recall every
+                     ``--recall-every`` decode steps), for its default
   vtoken-fp8-0.5     vToken on an fp8 cache at 0.5, and at 0.25 (``vtoken-fp8-0.25``)
 
 For each configuration, two measurements with the same engine settings:
@@ -27,6 +29,10 @@ Answers kept, pooled: the hits over every prompt of the HELD-OUT suites (multi, 
 tuning suite and is reported beside them, not pooled), with its 95% Wilson interval. Served-correct goodput: the
 decode-heavy workload's requests per second x the pooled share of answers kept (its interval: the same
 requests per second x the share's interval; the throughput's own spread is not in it).
+
+The defaults (``choice``): the vToken configurations on the model's own KV dtype, ranked by served-correct goodput
+on the TUNING suite (decode-heavy req/s x niah's share); the best one's budget, floor and recall are the shipped
+defaults (vtoken/config.py SHIPPED_BUDGET, VTokenConfig), and the held-out suites say what that choice costs.
 
 A configuration that fails to start (a KV dtype vToken refuses, vtoken/vllm_adapter/engine.py REFUSED; a server that
 exits) is recorded with its error in the JSON and a table of its own, and the run goes on.
@@ -54,16 +60,17 @@ class Config(NamedTuple):
     kv_cache_dtype: str  # vLLM's: auto (the model's dtype) or fp8
     budget: float | None  # None: vToken off
     floor: bool = False  # pressure_floor at --floor
-    recall: bool = True  # False: recall_every 0 (parked tokens come back only when the pool has room)
+    recall: bool = True  # recall_every --recall-every; False: 0 (parked tokens come back only when the pool has room)
 
     def vtoken(self, args) -> dict[str, Any]:
-        """The VTokenConfig of its engines: the served defaults (snapkv, pressure mode, the parking tier), and the
-        prefill chunk every configuration reads prompts in."""
+        """The VTokenConfig of its engines: snapkv, pressure mode, the parking tier, recall every ``--recall-every``
+        steps (the served defaults of 12-06, the run that chose today's), and the prefill chunk every configuration
+        reads prompts in."""
         if self.budget is None:
             return {"mode": "off"}
         cfg = {"mode": "vtoken", "policy": args.policy, "budget": self.budget, "evict": "pressure",
                "pressure_floor": args.floor if self.floor else 0.0, "prefill_chunk": args.prefill_chunk}  # fmt: skip
-        return cfg if self.recall else {**cfg, "recall_every": 0}
+        return {**cfg, "recall_every": args.recall_every if self.recall else 0}
 
 
 CONFIGS = {
@@ -93,6 +100,8 @@ def add_args(p) -> None:
     p.add_argument("--kv-bytes", type=int, default=128 << 20, help="the KV pool of every configuration, bytes")
     p.add_argument("--policy", default="snapkv")
     p.add_argument("--floor", type=float, default=0.5, help="vtoken-0.25-floor's pressure_floor")
+    p.add_argument("--recall-every", type=int, default=16, help="recall_every of every vToken configuration but "
+                   "vtoken-0.5-norecall (0)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill forward (every configuration)")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--decode", default="128,384,48", help="decode-heavy workload: input,output tokens,requests")
@@ -354,9 +363,58 @@ def tables(result: dict) -> list[Table]:
             "req/s x the share's interval).",
         )
     ]
+    out.append(choice_table(result))
     if errors:
         out.append(Table("Configurations that did not run", ["config", "part", "error"], errors))
     return out
+
+
+def tuning_goodput(c: dict) -> dict | None:
+    """Served-correct goodput on the tuning suite: decode-heavy req/s x the share of niah's needles found (and
+    the same rate x the share's interval); None where either is missing."""
+    rps = (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
+    return goodput(rps, (c.get("answers") or {}).get("niah") if "hits" in (c.get("answers") or {}).get("niah", {})
+                   else None)  # fmt: skip
+
+
+def choice(result: dict) -> tuple[list[str], str | None]:
+    """The defaults' candidates (vToken on the model's own KV dtype: the KV dtype is vLLM's knob, the user's),
+    best served-correct goodput on the tuning suite first; and the best (None if none measured)."""
+    cands = [n for n, c in result["configs"].items()
+             if not c.get("reference_only") and c["settings"]["budget"] is not None
+             and c["settings"]["kv_cache_dtype"] == "auto" and tuning_goodput(c)]  # fmt: skip
+    cands.sort(key=lambda n: -tuning_goodput(result["configs"][n])["value"])
+    return cands, (cands[0] if cands else None)
+
+
+def choice_table(result: dict) -> Table:
+    cands, best = choice(result)
+    rows = []
+    for n in cands:
+        c = result["configs"][n]
+        s, g = c["settings"], tuning_goodput(c)
+        recall = s["vtoken"].get("recall_every", 16)  # a run that did not record it: the default of its day, 16
+        rows.append([("**" + n + "**") if n == best else n, f"{s['budget']:g}", f"{s['vtoken']['pressure_floor']:g}",
+                     "off" if recall == 0 else f"every {recall}",
+                     _num(c["throughput"].get("decode", {}), "request_throughput"), _pct(c["answers"].get("niah")),
+                     f"{g['value']:.3f} ({g['ci95'][0]:.3f}-{g['ci95'][1]:.3f})", _pct(c.get("kept"))])  # fmt: skip
+    return Table(
+        "The defaults: served-correct goodput on the tuning suite (niah), vToken on the model's KV dtype, best first",
+        [
+            "config",
+            "budget",
+            "pressure floor",
+            "recall",
+            "req/s decode",
+            "niah kept (tuning)",
+            "tuning goodput req/s",
+            "pooled kept (held-out, for its cost)",
+        ],  # fmt: skip
+        rows,
+        f"Tuning goodput = decode-heavy req/s x the share of niah's needles found (interval: the same req/s x the "
+        f"share's interval). The best, in bold: {best or 'none measured'}. The held-out suites are not used to "
+        "choose; they say what the choice costs.",
+    )
 
 
 def plot(result: dict, fig) -> None:
@@ -372,3 +430,48 @@ def plot(result: dict, fig) -> None:
     ax.set(xlabel="answers kept, pooled over held-out suites (%, 95% CI)", ylabel="requests/s, decode-heavy",
            title=f"{result['model']}, a KV pool of {mib:g} MiB for every configuration")  # fmt: skip
     ax.grid(alpha=0.3)
+
+
+def trade(result: dict, link: str) -> str:
+    """The trade in a few lines (the README's first screen, docs/concepts.md): each configuration's requests per
+    second against stock's and its answers kept; ``link``: the frontier page's path from where it is shown."""
+    _, best = choice(result)
+    per = {s for c in result["configs"].values() for s, a in (c.get("answers") or {}).items() if "n" in a}
+    n = max((result["suites"][s]["n"] for s in per), default=0)
+    stock = (result["configs"].get("stock") or {}).get("throughput", {}).get("decode", {}).get("request_throughput")
+    rows = []
+    for name, c in result["configs"].items():
+        if c.get("reference_only"):
+            continue
+        s = c["settings"]
+        rps = (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
+        recall = s["vtoken"].get("recall_every", 16)  # not recorded: the default of its day, 16
+        lever = ("stock" if s["budget"] is None else f"vToken, budget {s['budget']:g}") + (
+            ", floor " + f"{s['vtoken']['pressure_floor']:g}" if s.get("floor") else ""
+        ) + ("" if s["budget"] is None else ", no recall" if recall == 0 else f", recall every {recall}") + (
+            ", fp8 KV" if s["kv_cache_dtype"] != "auto" else ""
+        ) + (" (**its budget and floor are shipped**)" if name == best else "")  # fmt: skip
+        kept, niah = c.get("kept"), (c.get("answers") or {}).get("niah", {})
+        rows.append(
+            f"| {lever} | {f'x{rps / stock:.2f}' if rps and stock else '-'} | "
+            f"{_share(kept)} | {_share(niah if 'hits' in niah else None)} |"
+        )
+    mib = result["pool_bytes"] / (1 << 20)
+    return "\n".join([
+        f"[Frontier]({link}): {result['model']}, one KV pool of {mib:g} MiB for every configuration, "
+        f"{result['machine']['cpus']} CPUs, one run, {n} prompts a suite. Requests per second when decoding fills "
+        "the pool (vLLM's own client), against stock's; answers kept with their 95% intervals, on suites never "
+        "tuned on (pooled) and on the tuning suite (needles), where the best served-correct goodput chose the "
+        "shipped default.",
+        "",
+        "| configuration | requests/s vs stock | held-out answers kept | needles (tuning suite) |",
+        "| --- | --- | --- | --- |",
+        *rows,
+    ])  # fmt: skip
+
+
+def _share(r: dict | None) -> str:
+    if not r:
+        return "-"
+    lo, hi = (100 * max(v, 0) for v in r["ci95"])
+    return f"{r['hits']}/{r['n']} ({100 * r['share']:.0f}%, {lo:.0f}-{hi:.0f})"
