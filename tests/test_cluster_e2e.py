@@ -22,6 +22,7 @@ from cluster.placement.placer import SETTLE_S
 from cluster.proto import vtoken_pb2 as pb
 from cluster.server import BackgroundServer
 from vtoken.bench.goodput import KV_BYTES, run_load, skewed_load
+from vtoken.config import VTokenConfig
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -207,7 +208,7 @@ def _finished_records(served) -> dict[str, dict]:
 def test_openai_client_on_vllm_with_the_requests_own_eviction_options(served):
     c = _openai(served)
     assert [m.id for m in c.models.list().data] == ["tiny-llama"]
-    opts = {"vtoken": {"policy": "random", "budget": 0.25}, "ignore_eos": True}
+    opts = {"vtoken": {"policy": "random", "budget": 0.5}, "ignore_eos": True}  # not the served budget (0.25)
     chunks = list(
         c.chat.completions.create(
             model="tiny-llama",
@@ -235,11 +236,11 @@ def test_openai_client_on_vllm_with_the_requests_own_eviction_options(served):
         return found[0]
 
     for rid in (chunks[0].id, whole.id):
-        assert record(rid)["policy"] == "random" and record(rid)["budget"] == 0.25, record(rid)
+        assert record(rid)["policy"] == "random" and record(rid)["budget"] == 0.5, record(rid)
     plain = c.completions.create(model="tiny-llama", prompt="Hello", max_tokens=2)
     records = _finished_records(served)
     rec = record(plain.id)
-    assert rec["policy"] == "snapkv" and rec["budget"] == 0.5  # the served config's own
+    assert rec["policy"] == "snapkv" and rec["budget"] == VTokenConfig().budget == 0.25  # the served config's own
 
 
 def test_metrics_show_blocks_reclaimed_while_an_evicting_request_runs(served):

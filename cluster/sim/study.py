@@ -85,7 +85,8 @@ def score(reqs: list[Request], out: Outcome, horizon: float) -> dict[str, Any]:
 def validate(cal: Calibration, strategies=("free_blocks", "round_robin"), factor: float = 2.5) -> dict[str, Any]:
     """``vtoken bench goodput``'s run in the simulator: 2 replicas of its pool, 12 requests alternating heavy
     and light 50 ms apart, deadline = ``factor`` x a heavy request alone, requests without eviction options
-    (the gateway estimates the whole context), the replicas' vtoken default (snapkv, budget 0.5)."""
+    (the gateway estimates the whole context), the replicas' vtoken settings of the calibration run (snapkv, its
+    budget: 0.5 where it records none)."""
     g = cal.goodput
     heavy = alone_s(cal, "vtoken", None, g["heavy_prompt"], g["heavy_output"])
     reqs = [replace(r, deadline_s=factor * heavy) for r in goodput_load(g)]
