@@ -115,6 +115,9 @@ def door():
         "door-abuse",
         model="tiny-llama",  # the fake engine, with tiny-llama's (SmolLM2's) tokenizer and chat template at the door
         replicas=1,
+        # the budget the sizes below were chosen at: 128 sequences of 500 tokens hold more than the pool under 0.5,
+        # under the shipped 0.25 they would fit (the door reserves a request's blocks under its budget)
+        vtoken={"mode": "vtoken", "budget": 0.5},
         engine={
             "kind": "fake",
             "fake_total_blocks": POOL_BLOCKS,

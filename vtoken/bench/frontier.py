@@ -363,7 +363,8 @@ def tables(result: dict) -> list[Table]:
             "req/s x the share's interval).",
         )
     ]
-    out.append(choice_table(result))
+    if choice(result)[1]:  # a run of stock and fp8 only chooses nothing
+        out.append(choice_table(result))
     if errors:
         out.append(Table("Configurations that did not run", ["config", "part", "error"], errors))
     return out
