@@ -363,19 +363,29 @@ def tables(result: dict) -> list[Table]:
             "req/s x the share's interval).",
         )
     ]
-    if choice(result)[1]:  # a run of stock and fp8 only chooses nothing
-        out.append(choice_table(result))
+    cands, best = choice(result)
+    if best:  # a run of stock and fp8 only chooses nothing
+        out.append(choice_table(result, cands, best))
     if errors:
         out.append(Table("Configurations that did not run", ["config", "part", "error"], errors))
     return out
 
 
+def _decode_rps(c: dict) -> float | None:
+    """A configuration's decode-heavy requests per second (None where it did not run)."""
+    return (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
+
+
+def _recall(settings: dict) -> int:
+    """A configuration's recall_every; a run that did not record it used the default of its day, 16."""
+    return settings["vtoken"].get("recall_every", 16)
+
+
 def tuning_goodput(c: dict) -> dict | None:
     """Served-correct goodput on the tuning suite: decode-heavy req/s x the share of niah's needles found (and
     the same rate x the share's interval); None where either is missing."""
-    rps = (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
-    return goodput(rps, (c.get("answers") or {}).get("niah") if "hits" in (c.get("answers") or {}).get("niah", {})
-                   else None)  # fmt: skip
+    niah = (c.get("answers") or {}).get("niah", {})
+    return goodput(_decode_rps(c), niah if "hits" in niah else None)
 
 
 def choice(result: dict) -> tuple[list[str], str | None]:
@@ -388,13 +398,13 @@ def choice(result: dict) -> tuple[list[str], str | None]:
     return cands, (cands[0] if cands else None)
 
 
-def choice_table(result: dict) -> Table:
-    cands, best = choice(result)
+def choice_table(result: dict, cands: list[str], best: str) -> Table:
+    """``choice``'s ranking as a table, ``best`` in bold."""
     rows = []
     for n in cands:
         c = result["configs"][n]
         s, g = c["settings"], tuning_goodput(c)
-        recall = s["vtoken"].get("recall_every", 16)  # a run that did not record it: the default of its day, 16
+        recall = _recall(s)
         rows.append([("**" + n + "**") if n == best else n, f"{s['budget']:g}", f"{s['vtoken']['pressure_floor']:g}",
                      "off" if recall == 0 else f"every {recall}",
                      _num(c["throughput"].get("decode", {}), "request_throughput"), _pct(c["answers"].get("niah")),
@@ -413,7 +423,7 @@ def choice_table(result: dict) -> Table:
         ],  # fmt: skip
         rows,
         f"Tuning goodput = decode-heavy req/s x the share of niah's needles found (interval: the same req/s x the "
-        f"share's interval). The best, in bold: {best or 'none measured'}. The held-out suites are not used to "
+        f"share's interval). The best, in bold: {best}. The held-out suites are not used to "
         "choose; they say what the choice costs.",
     )
 
@@ -421,7 +431,7 @@ def choice_table(result: dict) -> Table:
 def plot(result: dict, fig) -> None:
     ax = fig.subplots(1, 1)
     for i, (name, c) in enumerate(result["configs"].items()):
-        kept, rps = c.get("kept"), (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
+        kept, rps = c.get("kept"), _decode_rps(c)
         if c.get("reference_only") or not kept or rps is None:
             continue
         x, lo, hi = (100 * v for v in (kept["share"], *kept["ci95"]))
@@ -437,25 +447,25 @@ def trade(result: dict, link: str) -> str:
     """The trade in a few lines (the README's first screen, docs/concepts.md): each configuration's requests per
     second against stock's and its answers kept; ``link``: the frontier page's path from where it is shown."""
     _, best = choice(result)
-    per = {s for c in result["configs"].values() for s, a in (c.get("answers") or {}).items() if "n" in a}
-    n = max((result["suites"][s]["n"] for s in per), default=0)
-    stock = (result["configs"].get("stock") or {}).get("throughput", {}).get("decode", {}).get("request_throughput")
+    n = max((suite["n"] for suite in result["suites"].values()), default=0)
+    stock = _decode_rps(result["configs"].get("stock") or {})
     rows = []
     for name, c in result["configs"].items():
         if c.get("reference_only"):
             continue
         s = c["settings"]
-        rps = (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
-        recall = s["vtoken"].get("recall_every", 16)  # not recorded: the default of its day, 16
-        lever = ("stock" if s["budget"] is None else f"vToken, budget {s['budget']:g}") + (
-            ", floor " + f"{s['vtoken']['pressure_floor']:g}" if s.get("floor") else ""
-        ) + ("" if s["budget"] is None else ", no recall" if recall == 0 else f", recall every {recall}") + (
-            ", fp8 KV" if s["kv_cache_dtype"] != "auto" else ""
-        ) + (" (**its budget and floor are shipped**)" if name == best else "")  # fmt: skip
-        kept, niah = c.get("kept"), (c.get("answers") or {}).get("niah", {})
+        rps = _decode_rps(c)
+        parts = ["stock"]
+        if s["budget"] is not None:
+            recall = _recall(s)
+            parts = [f"vToken, budget {s['budget']:g}"]
+            parts += [f"floor {s['vtoken']['pressure_floor']:g}"] if s.get("floor") else []
+            parts += ["no recall" if recall == 0 else f"recall every {recall}"]
+        parts += ["fp8 KV"] if s["kv_cache_dtype"] != "auto" else []
+        lever = ", ".join(parts) + (" (**its budget and floor are shipped**)" if name == best else "")
         rows.append(
             f"| {lever} | {f'x{rps / stock:.2f}' if rps and stock else '-'} | "
-            f"{_share(kept)} | {_share(niah if 'hits' in niah else None)} |"
+            f"{_pct(c.get('kept'))} | {_pct((c.get('answers') or {}).get('niah'))} |"
         )
     mib = result["pool_bytes"] / (1 << 20)
     return "\n".join([
@@ -469,10 +479,3 @@ def trade(result: dict, link: str) -> str:
         "| --- | --- | --- | --- |",
         *rows,
     ])  # fmt: skip
-
-
-def _share(r: dict | None) -> str:
-    if not r:
-        return "-"
-    lo, hi = (100 * max(v, 0) for v in r["ci95"])
-    return f"{r['hits']}/{r['n']} ({100 * r['share']:.0f}%, {lo:.0f}-{hi:.0f})"
