@@ -168,3 +168,64 @@ def test_the_shipped_defaults_are_the_committed_frontiers_choice():
     assert norecall and with_recall, "the frontier compares recall with none"
     buys = with_recall["answers"]["niah"]["hits"] > norecall["answers"]["niah"]["hits"]
     assert shipped.recall_every == (recall if buys else 0)
+
+
+def test_a_suite_added_to_an_earlier_run_is_answered_on_its_settings_and_pooled_again(tmp_path, monkeypatch):
+    """``--add-to``: every configuration of the earlier run answers the new suite (stock first, for the reference)
+    with the settings it ran with; pooled shares, goodput and ratios count the new suite, the throughput stays as
+    measured, the page says what was added; a suite already answered, or settings that differ, are refused."""
+    import argparse
+    import json
+
+    earlier = argparse.Namespace(policy="snapkv", floor=0.5, prefill_chunk=256, recall_every=16)
+    result = _result()
+    del result["configs"]["vtoken-fp8-0.5"]
+    for name, c in result["configs"].items():
+        c["answers"].pop("longreply")
+        c["kept"] = frontier.pooled(c["answers"])
+        c["goodput"] = frontier.goodput(c["throughput"]["decode"]["request_throughput"], c["kept"])
+        c["settings"]["vtoken"] = {
+            k: v for k, v in frontier.CONFIGS[name].vtoken(earlier).items() if k != "recall_every"
+        }
+    del result["suites"]["longreply"]
+    shared = {"model": "smollm2-135m", "prompts": 20, "lengths": "1024", "kv_bytes": 128 << 20, "policy": "snapkv",
+              "floor": 0.5, "prefill_chunk": 256, "max_num_batched_tokens": 1024}  # fmt: skip
+    result.update(settings=shared, max_model_len=1088, machine={"cpus": 2})
+    path = tmp_path / "frontier.json"
+    path.write_text(json.dumps(result))
+
+    calls = []
+
+    def answers(args, config, folder, tok, cases, reference):
+        calls.append((config.name, config.vtoken(args), args.kv_bytes, args.max_model_len))
+        hits = {"stock": 10, "stock-fp8": 5, "vtoken-0.25-floor": 0}[config.name]
+        return _answers(**{s: (hits, 10) for s in cases}), 1
+
+    monkeypatch.setattr(frontier, "_model", lambda name: ("folder", None))
+    case = argparse.Namespace(prompt=[1] * 1000)  # 1,000 + longreply's 256 tokens: max_model_len 1,280
+    monkeypatch.setattr(frontier, "_cases", lambda tok, names, lengths, n: {s: [case] * 10 for s in names})
+    monkeypatch.setattr(frontier, "_suite", lambda name, cases, lengths: {"split": "held-out", "n": len(cases)})
+    monkeypatch.setattr(frontier, "answers", answers)
+    args = argparse.Namespace(add_to=str(path), suites="longreply", recall_every=0, model="other", kv_bytes=1)
+    out = frontier.add(args)
+
+    assert [c[0] for c in calls] == ["stock", "stock-fp8", "vtoken-0.25-floor"]
+    floor = calls[2][1]
+    assert floor["budget"] == 0.25 and floor["pressure_floor"] == 0.5 and floor["recall_every"] == 16
+    assert {c[2] for c in calls} == {128 << 20} and {c[3] for c in calls} == {1280}
+    c = out["configs"]["vtoken-0.25-floor"]  # 6/20 + 10/20 + 0/10 held out
+    assert (c["kept"]["hits"], c["kept"]["n"]) == (16, 50) and c["kept"]["suites"] == ["multi", "agree", "longreply"]
+    assert (
+        c["goodput"]["value"] == pytest.approx(0.5 * 16 / 50) and c["throughput"]["decode"]["request_throughput"] == 0.5
+    )
+    assert c["vs"]["stock"] == pytest.approx((0.5 * 16 / 50) / (0.2 * 40 / 50))
+    assert out["added"][0]["suites"] == ["longreply"] and "longreply" in out["suites"]
+    assert "longreply: answered by a later run on the same settings" in markdown(frontier.tables(out))
+    assert "one run (longreply answered by a second on its settings)" in frontier.trade(out, "x.md")
+
+    with pytest.raises(SystemExit, match="has not answered"):
+        frontier.add(argparse.Namespace(**{**vars(args), "suites": "multi"}))
+    result["configs"]["vtoken-0.25-floor"]["settings"]["vtoken"]["policy"] = "h2o"
+    path.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="vtoken-0.25-floor ran with"):
+        frontier.add(args)

@@ -109,6 +109,10 @@ def add_args(p) -> None:
     p.add_argument("--rate", default="inf", help="request rate of both workloads (inf: every request at once)")
     p.add_argument("--sla", default="ttft:4000,tpot:250", help="vLLM client's --goodput SLA (recorded, not used)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--add-to", default="", metavar="JSON",
+                   help="add --suites to an earlier run's frontier.json: its configurations answer them on its "
+                   "settings (pool, lengths, prompts, policy, floor, recall), throughput is not run again, and the "
+                   "merged page is written to --out (the addition is recorded under 'added')")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
@@ -242,10 +246,8 @@ def _git() -> dict[str, Any]:
 
 
 def run(args) -> dict:
-    from transformers import AutoTokenizer
-
-    from vtoken.models import model_path
-
+    if args.add_to:
+        return add(args)
     if args.quick:  # the same shapes, shorter suite prompts, a few requests and 8 prompts per suite
         args.prompts, args.lengths, args.kv_bytes = 8, "512", 48 << 20
         args.decode, args.prefill = "128,384,4", "1024,16,4"
@@ -253,13 +255,9 @@ def run(args) -> dict:
     bad = sorted(set(names) - set(CONFIGS))
     if bad:
         raise SystemExit(f"--only: unknown {bad}; choose from {', '.join(CONFIGS)}")
-    folder = str(model_path(args.model))
-    tok = AutoTokenizer.from_pretrained(folder)
+    folder, tok = _model(args.model)
     lengths = [int(n) for n in args.lengths.split(",")]
-    cases = {}
-    for name in [s for s in args.suites.split(",") if s]:
-        per = len(lengths) * (2 if name == "niah" else 1)  # niah: two tasks (single, multikey)
-        cases[name] = SUITES[name].build(tok, lengths, max(args.prompts // per, 1))
+    cases = _cases(tok, [s for s in args.suites.split(",") if s], lengths, args.prompts)
     workloads = {"decode": _workload(args.decode), "prefill": _workload(args.prefill)}
     longest = max([len(c.prompt) + SUITES[s].max_tokens for s, cs in cases.items() for c in cs]
                   + [w["input_len"] + w["output_len"] for w in workloads.values()])  # fmt: skip
@@ -295,6 +293,82 @@ def run(args) -> dict:
         "configs": configs,
         "load": {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()[0]},
     }
+
+
+def _model(name: str) -> tuple[str, Any]:
+    """The model's folder and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from vtoken.models import model_path
+
+    folder = str(model_path(name))
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
+def _cases(tok, names: list[str], lengths: list[int], prompts: int) -> dict[str, list]:
+    """Each suite's prompts: ``prompts`` over ``lengths`` (niah's two tasks, single and multikey, share them)."""
+    per = {name: len(lengths) * (2 if name == "niah" else 1) for name in names}
+    return {name: SUITES[name].build(tok, lengths, max(prompts // per[name], 1)) for name in names}
+
+
+# The earlier run's settings an added suite is answered on (everything the engines and the suites' prompts read).
+SHARED = ("model", "prompts", "lengths", "kv_bytes", "policy", "floor", "prefill_chunk", "max_num_batched_tokens")
+
+
+def add(args) -> dict:
+    """``--add-to``: the earlier run's result with ``--suites`` answered by each of its configurations on its own
+    settings (SHARED, and the recall it ran with), pooled shares, goodput and ratios computed again over every suite;
+    its throughput is kept as it was measured. The addition (suites, command, commit, seconds) is under 'added'."""
+    import sys
+    import time
+
+    from vtoken.bench import machine
+
+    t0 = time.perf_counter()
+    result = json.loads(Path(args.add_to).read_text())
+    new = [s for s in args.suites.split(",") if s]
+    if not new or set(new) & set(result["suites"]):
+        raise SystemExit(f"--add-to: name suites the run has not answered (it has {', '.join(result['suites'])})")
+    earlier = result["settings"]
+    for key in SHARED:
+        setattr(args, key, earlier[key])
+    recall = {_recall(c["settings"]) for c in result["configs"].values() if not c.get("reference_only")
+              and c["settings"]["budget"] is not None and c["settings"]["recall"]}  # fmt: skip
+    args.recall_every = recall.pop() if len(recall) == 1 else args.recall_every
+    folder, tok = _model(args.model)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    cases = _cases(tok, new, lengths, args.prompts)
+    longest = max(len(c.prompt) + SUITES[s].max_tokens for s, cs in cases.items() for c in cs)
+    args.max_model_len = max(result["max_model_len"], -(-longest // 32) * 32)
+    names = [n for n, c in result["configs"].items() if not c.get("reference_only")]
+    needs_ref = any(SUITES[s].needs_full for s in cases)
+    order = ([REFERENCE] if needs_ref or REFERENCE in names else []) + [n for n in names if n != REFERENCE]
+    log(f"[frontier] adding {', '.join(new)} to {args.add_to}: {', '.join(order)}")
+    reference: dict[str, list[str]] = {}
+    for name in order:
+        config = CONFIGS[name]
+        c = result["configs"].setdefault(name, {"reference_only": True, "answers": {}})
+        if not c.get("reference_only"):
+            ran = {**c["settings"]["vtoken"], **({"recall_every": _recall(c["settings"])}
+                                                  if c["settings"]["budget"] is not None else {})}  # fmt: skip
+            if ran != config.vtoken(args):
+                raise SystemExit(f"--add-to: {name} ran with {ran}, this run would use {config.vtoken(args)}")
+        ans, _ = answers(args, config, folder, tok, cases, reference)
+        c["answers"].update(ans)
+        if c.get("reference_only"):
+            continue
+        c["kept"] = pooled(c["answers"])
+        c["goodput"] = goodput(_decode_rps(c), c["kept"])
+        c["errors"] = {**c.get("errors", {}), **{s: r["error"] for s, r in ans.items() if "error" in r}}
+    ratios({k: v for k, v in result["configs"].items() if not v.get("reference_only")})
+    result["suites"].update({s: _suite(s, cs, lengths) for s, cs in cases.items()})
+    command = sys.argv[sys.argv.index("frontier") :] if "frontier" in sys.argv else ["frontier"]
+    result.setdefault("added", []).append({
+        "suites": new, "command": "vtoken bench " + " ".join(command), "git": _git(),
+        "max_model_len": args.max_model_len, "recall_every": args.recall_every,
+        "seconds": round(time.perf_counter() - t0, 1), "machine": machine(), "loadavg_after": os.getloadavg()[0],
+    })  # fmt: skip
+    return result
 
 
 def _suite(name: str, cases, lengths: list[int]) -> dict[str, Any]:
@@ -360,7 +434,7 @@ def tables(result: dict) -> list[Table]:
             f"for niah and multi; content-word F1 >= 0.5 with {result['reference']}'s reply for agree and "
             "longreply), hits/n (share, 95% Wilson interval). Pooled: the held-out suites only (niah is the "
             "tuning suite). Served-correct goodput = decode-heavy req/s x pooled share kept (interval: the same "
-            "req/s x the share's interval).",
+            "req/s x the share's interval)." + _added(result),
         )
     ]
     cands, best = choice(result)
@@ -369,6 +443,15 @@ def tables(result: dict) -> list[Table]:
     if errors:
         out.append(Table("Configurations that did not run", ["config", "part", "error"], errors))
     return out
+
+
+def _added(result: dict) -> str:
+    """The page's word on suites a later run added (``--add-to``), or nothing."""
+    return "".join(
+        f" {', '.join(a['suites'])}: answered by a later run on the same settings and configurations "
+        f"(`{a['command']}`, commit {a['git'].get('commit', '?')[:7]}, {a['seconds'] / 60:.0f} min)."
+        for a in result.get("added", [])
+    )
 
 
 def _decode_rps(c: dict) -> float | None:
@@ -443,6 +526,11 @@ def plot(result: dict, fig) -> None:
     ax.grid(alpha=0.3)
 
 
+def _later(result: dict) -> str:
+    suites = [s for a in result.get("added", []) for s in a["suites"]]
+    return f" ({', '.join(suites)} answered by a second on its settings)" if suites else ""
+
+
 def trade(result: dict, link: str) -> str:
     """The trade in a few lines (the README's first screen, docs/concepts.md): each configuration's requests per
     second against stock's and its answers kept; ``link``: the frontier page's path from where it is shown."""
@@ -470,10 +558,10 @@ def trade(result: dict, link: str) -> str:
     mib = result["pool_bytes"] / (1 << 20)
     return "\n".join([
         f"[Frontier]({link}): {result['model']}, one KV pool of {mib:g} MiB for every configuration, "
-        f"{result['machine']['cpus']} CPUs, one run, {n} prompts a suite. Requests per second when decoding fills "
-        "the pool (vLLM's own client), against stock's; answers kept with their 95% intervals, on suites never "
-        "tuned on (pooled) and on the tuning suite (needles), where the best served-correct goodput chose the "
-        "shipped default.",
+        f"{result['machine']['cpus']} CPUs, one run{_later(result)}, {n} prompts a suite. Requests per second "
+        "when decoding fills the pool (vLLM's own client), against stock's; answers kept with their 95% intervals, "
+        "on suites never tuned on (pooled) and on the tuning suite (needles), where the best served-correct "
+        "goodput chose the shipped default.",
         "",
         "| configuration | requests/s vs stock | held-out answers kept | needles (tuning suite) |",
         "| --- | --- | --- | --- |",
