@@ -104,8 +104,9 @@ def test_the_page_has_a_row_per_configuration_and_lists_what_did_not_run():
     floor = rows["vtoken-0.25-floor"]
     assert "| 0.25, floor 0.5 |" in floor and "| 0.500 | 0.250 |" in floor and "| 900 / 3100 | 41.5 / 60.0 |" in floor
     assert "| 20/50 (40%, " in floor and "| 0.200 (" in floor and "| x1.25 / x0.83 |" in floor
+    assert floor.endswith("| x1.25 / x0.83 | x2.50 / x1.25 |")  # goodput's ratios, then requests per second's
     assert "| 40/50 (80%, " in rows["stock"] and "| x1.00 / x0.67 |" in rows["stock"]
-    assert "| error | error |" in rows["vtoken-fp8-0.5"] and rows["vtoken-fp8-0.5"].endswith("| - | - / - |")
+    assert "| error | error |" in rows["vtoken-fp8-0.5"] and rows["vtoken-fp8-0.5"].endswith("| - | - / - | - / - |")
     assert tables[-1].title == "Configurations that did not run"
     assert {r[1] for r in tables[-1].rows} == {"decode", "prefill", "niah", "multi", "agree", "longreply"}
     assert "128 MiB: 2912 tokens at fp32, 11650 at fp8" in md
@@ -229,3 +230,19 @@ def test_a_suite_added_to_an_earlier_run_is_answered_on_its_settings_and_pooled_
     path.write_text(json.dumps(result))
     with pytest.raises(SystemExit, match="vtoken-0.25-floor ran with"):
         frontier.add(args)
+
+
+def test_a_throughput_only_run_plots_its_requests_per_second():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = _result()
+    for c in result["configs"].values():
+        c["answers"], c["kept"], c["goodput"] = {}, None, None
+    fig = plt.figure()
+    frontier.plot(result, fig)
+    heights = [round(b.get_height(), 3) for b in fig.axes[0].patches]
+    plt.close(fig)
+    assert heights == [0.2, 0.4, 0.5]  # stock, stock fp8, the floor; the one that did not start has no bar

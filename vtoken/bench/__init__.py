@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -110,7 +111,7 @@ def _run(module, name: str, args) -> int:
     result = module.run(args)
     result = {
         "benchmark": name,
-        "command": "vtoken bench " + " ".join(sys.argv[sys.argv.index(name) :])
+        "command": "vtoken bench " + shlex.join(sys.argv[sys.argv.index(name) :])
         if name in sys.argv
         else f"vtoken bench {name}",
         "settings": {k: v for k, v in vars(args).items() if k != "func"},

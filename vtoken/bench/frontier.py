@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -364,7 +365,7 @@ def add(args) -> dict:
     result["suites"].update({s: _suite(s, cs, lengths) for s, cs in cases.items()})
     command = sys.argv[sys.argv.index("frontier") :] if "frontier" in sys.argv else ["frontier"]
     result.setdefault("added", []).append({
-        "suites": new, "command": "vtoken bench " + " ".join(command), "git": _git(),
+        "suites": new, "command": "vtoken bench " + shlex.join(command), "git": _git(),
         "max_model_len": args.max_model_len, "recall_every": args.recall_every,
         "seconds": round(time.perf_counter() - t0, 1), "machine": machine(), "loadavg_after": os.getloadavg()[0],
     })  # fmt: skip
@@ -411,13 +412,15 @@ def tables(result: dict) -> list[Table]:
             *[_pct(c["answers"].get(x)) for x in suites], _pct(c.get("kept")),
             f"{g['value']:.3f} ({g['ci95'][0]:.3f}-{g['ci95'][1]:.3f})" if g else "-",
             " / ".join(f"x{vs[b]:.2f}" if vs.get(b) else "-" for b in ("stock", "stock-fp8")),
+            " / ".join(f"x{r:.2f}" if r else "-" for r in (_rps_ratio(result, c, b) for b in ("stock", "stock-fp8"))),
         ])  # fmt: skip
         errors += [[name, part, e] for part, e in c.get("errors", {}).items()]
     split = {s: result["suites"][s]["split"] for s in suites}
     w = result["workloads"]
     cols = ["config", "KV dtype", "budget", "req/s decode", "req/s prefill", "TTFT p50 ms (decode / prefill)",
             "TPOT p50 ms (decode / prefill)", *[f"{s} kept ({split[s]})" for s in suites],
-            "pooled kept (held-out)", "served-correct goodput req/s", "goodput vs stock / vs stock fp8"]  # fmt: skip
+            "pooled kept (held-out)", "served-correct goodput req/s", "goodput vs stock / vs stock fp8",
+            "req/s decode vs stock / vs stock fp8"]  # fmt: skip
     per_tok = result["kv_bytes_per_token"]
     out = [
         Table(
@@ -457,6 +460,12 @@ def _added(result: dict) -> str:
 def _decode_rps(c: dict) -> float | None:
     """A configuration's decode-heavy requests per second (None where it did not run)."""
     return (c.get("throughput") or {}).get("decode", {}).get("request_throughput")
+
+
+def _rps_ratio(result: dict, c: dict, base: str) -> float | None:
+    """A configuration's decode-heavy requests per second over ``base``'s (None where either did not run)."""
+    rps, b = _decode_rps(c), _decode_rps(result["configs"].get(base) or {})
+    return rps / b if rps and b else None
 
 
 def _recall(settings: dict) -> int:
@@ -521,6 +530,14 @@ def plot(result: dict, fig) -> None:
         ax.errorbar([x], [rps], xerr=[[x - lo], [hi - x]], fmt="o" if "fp8" not in name else "s", c=f"C{i}", capsize=3)
         ax.annotate(name, (x, rps), textcoords="offset points", xytext=(5, 5), fontsize=8)
     mib = result["pool_bytes"] / (1 << 20)
+    if not ax.lines:  # a throughput-only run: its requests per second, one bar per configuration
+        ran = {n: _decode_rps(c) for n, c in result["configs"].items() if not c.get("reference_only")}
+        ran = {n: r for n, r in ran.items() if r}
+        ax.bar(list(ran), list(ran.values()), color=[f"C{i}" for i in range(len(ran))])
+        ax.set(ylabel="requests/s, decode-heavy", title=f"{result['model']}, a KV pool of {mib:g} MiB for every "
+               f"configuration, {result['workloads']['decode']['requests']} requests at once")  # fmt: skip
+        ax.grid(alpha=0.3, axis="y")
+        return
     ax.set(xlabel="answers kept, pooled over held-out suites (%, 95% CI)", ylabel="requests/s, decode-heavy",
            title=f"{result['model']}, a KV pool of {mib:g} MiB for every configuration")  # fmt: skip
     ax.grid(alpha=0.3)
