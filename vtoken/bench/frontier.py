@@ -263,8 +263,7 @@ def run(args) -> dict:
     longest = max([len(c.prompt) + SUITES[s].max_tokens for s, cs in cases.items() for c in cs]
                   + [w["input_len"] + w["output_len"] for w in workloads.values()])  # fmt: skip
     args.max_model_len = -(-longest // 32) * 32
-    needs_ref = any(SUITES[s].needs_full for s in cases)
-    order = ([REFERENCE] if needs_ref or REFERENCE in names else []) + [n for n in names if n != REFERENCE]
+    order = _order(names, cases)
     log(f"[frontier] {', '.join(order)}: {sum(map(len, cases.values()))} prompts, pool {args.kv_bytes} bytes")
     reference: dict[str, list[str]] = {}
     configs: dict[str, dict] = {}
@@ -294,6 +293,13 @@ def run(args) -> dict:
         "configs": configs,
         "load": {"cpus": os.cpu_count(), "loadavg_after": os.getloadavg()[0]},
     }
+
+
+def _order(names: list[str], cases: dict) -> list[str]:
+    """The configurations in the order they run: the reference first, also where it was not asked for but a suite
+    scores against its replies."""
+    needs_ref = any(SUITES[s].needs_full for s in cases)
+    return ([REFERENCE] if needs_ref or REFERENCE in names else []) + [n for n in names if n != REFERENCE]
 
 
 def _model(name: str) -> tuple[str, Any]:
@@ -342,8 +348,7 @@ def add(args) -> dict:
     longest = max(len(c.prompt) + SUITES[s].max_tokens for s, cs in cases.items() for c in cs)
     args.max_model_len = max(result["max_model_len"], -(-longest // 32) * 32)
     names = [n for n, c in result["configs"].items() if not c.get("reference_only")]
-    needs_ref = any(SUITES[s].needs_full for s in cases)
-    order = ([REFERENCE] if needs_ref or REFERENCE in names else []) + [n for n in names if n != REFERENCE]
+    order = _order(names, cases)
     log(f"[frontier] adding {', '.join(new)} to {args.add_to}: {', '.join(order)}")
     reference: dict[str, list[str]] = {}
     for name in order:
