@@ -246,3 +246,16 @@ def test_a_throughput_only_run_plots_its_requests_per_second():
     heights = [round(b.get_height(), 3) for b in fig.axes[0].patches]
     plt.close(fig)
     assert heights == [0.2, 0.4, 0.5]  # stock, stock fp8, the floor; the one that did not start has no bar
+
+
+def test_a_run_records_the_commit_of_the_code_that_ran_not_of_the_working_folder(tmp_path, monkeypatch):
+    """A run from a frozen worktree (or any folder) records the commit of the checkout its code came from."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(frontier.__file__).resolve().parent
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("vtoken is not in a git checkout here")
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    assert frontier._git()["commit"] == head

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 from vtoken.bench.engine_run import Engine, log
 from vtoken.bench.needles import wilson
-from vtoken.bench.report import Table
+from vtoken.bench.report import Table, _command
 from vtoken.bench.suites import SUITES, reply
 
 
@@ -238,8 +238,12 @@ def _kv_bytes_per_token(folder: str) -> dict[str, int]:
 
 
 def _git() -> dict[str, Any]:
+    """The commit of the code that runs (this file's checkout, not the working folder's: a run from a frozen
+    worktree records the worktree's), and whether its tracked files differ from it."""
+    here = str(Path(__file__).resolve().parent)
+
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(["git", "-C", here, *a], capture_output=True, text=True, timeout=30).stdout.strip()
 
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
@@ -457,7 +461,7 @@ def _added(result: dict) -> str:
     """The page's word on suites a later run added (``--add-to``), or nothing."""
     return "".join(
         f" {', '.join(a['suites'])}: answered by a later run on the same settings and configurations "
-        f"(`{a['command']}`, commit {a['git'].get('commit', '?')[:7]}, {a['seconds'] / 60:.0f} min)."
+        f"(`{_command(a)}`, commit {a['git'].get('commit', '?')[:7]}, {a['seconds'] / 60:.0f} min)."
         for a in result.get("added", [])
     )
 
