@@ -228,8 +228,10 @@ def test_a_suite_added_to_an_earlier_run_is_answered_on_its_settings_and_pooled_
         frontier.add(argparse.Namespace(**{**vars(args), "suites": "multi"}))
     result["configs"]["vtoken-0.25-floor"]["settings"]["vtoken"]["policy"] = "h2o"
     path.write_text(json.dumps(result))
+    calls.clear()
     with pytest.raises(SystemExit, match="vtoken-0.25-floor ran with"):
         frontier.add(args)
+    assert calls == []  # refused before any configuration answered
 
 
 def test_a_throughput_only_run_plots_its_requests_per_second():

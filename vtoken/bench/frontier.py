@@ -352,17 +352,17 @@ def add(args) -> dict:
     longest = max(len(c.prompt) + SUITES[s].max_tokens for s, cs in cases.items() for c in cs)
     args.max_model_len = max(result["max_model_len"], -(-longest // 32) * 32)
     names = [n for n, c in result["configs"].items() if not c.get("reference_only")]
+    for name in names:  # before any engine starts: every configuration answers on the settings it ran with
+        s = result["configs"][name]["settings"]
+        ran = {**s["vtoken"], **({"recall_every": _recall(s)} if s["budget"] is not None else {})}
+        if ran != CONFIGS[name].vtoken(args):
+            raise SystemExit(f"--add-to: {name} ran with {ran}, this run would use {CONFIGS[name].vtoken(args)}")
     order = _order(names, cases)
     log(f"[frontier] adding {', '.join(new)} to {args.add_to}: {', '.join(order)}")
     reference: dict[str, list[str]] = {}
     for name in order:
         config = CONFIGS[name]
         c = result["configs"].setdefault(name, {"reference_only": True, "answers": {}})
-        if not c.get("reference_only"):
-            ran = {**c["settings"]["vtoken"], **({"recall_every": _recall(c["settings"])}
-                                                  if c["settings"]["budget"] is not None else {})}  # fmt: skip
-            if ran != config.vtoken(args):
-                raise SystemExit(f"--add-to: {name} ran with {ran}, this run would use {config.vtoken(args)}")
         ans, _ = answers(args, config, folder, tok, cases, reference)
         c["answers"].update(ans)
         if c.get("reference_only"):
