@@ -101,6 +101,11 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def command(name: str) -> str:
+    """The benchmark's command as typed, from its name on (quoted: ``--suites ''`` stays an argument)."""
+    return "vtoken bench " + (shlex.join(sys.argv[sys.argv.index(name) :]) if name in sys.argv else name)
+
+
 def _run(module, name: str, args) -> int:
     # Offline engines (vllm.LLM) run their EngineCore in this process: ~5 s starts instead of ~40 s, and
     # every mode of a benchmark runs the same way. Set it to 1 to measure with vLLM's separate process.
@@ -111,9 +116,7 @@ def _run(module, name: str, args) -> int:
     result = module.run(args)
     result = {
         "benchmark": name,
-        "command": "vtoken bench " + shlex.join(sys.argv[sys.argv.index(name) :])
-        if name in sys.argv
-        else f"vtoken bench {name}",
+        "command": command(name),
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "machine": machine(),
         "seconds": round(time.perf_counter() - t0, 2),

@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -133,6 +132,14 @@ def goodput(rps: float | None, kept: dict | None) -> dict | None:
     if rps is None or kept is None:
         return None
     return {"value": rps * kept["share"], "ci95": [rps * kept["ci95"][0], rps * kept["ci95"][1]]}
+
+
+def _score(c: dict) -> dict:
+    """A configuration's pooled answers kept, served-correct goodput and errors, from its throughput and answers."""
+    c["kept"] = pooled(c["answers"])
+    c["goodput"] = goodput(_decode_rps(c), c["kept"])
+    c["errors"] = {part: r["error"] for part, r in {**c["throughput"], **c["answers"]}.items() if "error" in r}
+    return c
 
 
 def ratios(configs: dict[str, dict]) -> None:
@@ -278,12 +285,8 @@ def run(args) -> dict:
             configs[name] = {"reference_only": True, "answers": ans, "pool_blocks": blocks}
             continue
         tp = throughput(args, config, folder, workloads)
-        kept = pooled(ans)
-        rps = tp.get("decode", {}).get("request_throughput")
-        errors = {part: r["error"] for part, r in {**tp, **ans}.items() if "error" in r}
-        configs[name] = {"settings": {**config._asdict(), "vtoken": config.vtoken(args)}, "pool_blocks": blocks,
-                         "throughput": tp, "answers": ans, "kept": kept, "goodput": goodput(rps, kept),
-                         "errors": errors}  # fmt: skip
+        configs[name] = _score({"settings": {**config._asdict(), "vtoken": config.vtoken(args)},
+                                "pool_blocks": blocks, "throughput": tp, "answers": ans})  # fmt: skip
     ratios({k: v for k, v in configs.items() if not v.get("reference_only")})
     return {
         "model": args.model,
@@ -330,10 +333,9 @@ def add(args) -> dict:
     """``--add-to``: the earlier run's result with ``--suites`` answered by each of its configurations on its own
     settings (SHARED, and the recall it ran with), pooled shares, goodput and ratios computed again over every suite;
     its throughput is kept as it was measured. The addition (suites, command, commit, seconds) is under 'added'."""
-    import sys
     import time
 
-    from vtoken.bench import machine
+    from vtoken.bench import command, machine
 
     t0 = time.perf_counter()
     result = json.loads(Path(args.add_to).read_text())
@@ -365,16 +367,12 @@ def add(args) -> dict:
         c = result["configs"].setdefault(name, {"reference_only": True, "answers": {}})
         ans, _ = answers(args, config, folder, tok, cases, reference)
         c["answers"].update(ans)
-        if c.get("reference_only"):
-            continue
-        c["kept"] = pooled(c["answers"])
-        c["goodput"] = goodput(_decode_rps(c), c["kept"])
-        c["errors"] = {**c.get("errors", {}), **{s: r["error"] for s, r in ans.items() if "error" in r}}
+        if not c.get("reference_only"):
+            _score(c)
     ratios({k: v for k, v in result["configs"].items() if not v.get("reference_only")})
     result["suites"].update({s: _suite(s, cs, lengths) for s, cs in cases.items()})
-    command = sys.argv[sys.argv.index("frontier") :] if "frontier" in sys.argv else ["frontier"]
     result.setdefault("added", []).append({
-        "suites": new, "command": "vtoken bench " + shlex.join(command), "git": _git(),
+        "suites": new, "command": command("frontier"), "git": _git(),
         "max_model_len": args.max_model_len, "recall_every": args.recall_every,
         "seconds": round(time.perf_counter() - t0, 1), "machine": machine(), "loadavg_after": os.getloadavg()[0],
     })  # fmt: skip
